@@ -1,0 +1,141 @@
+"""Module-level versions of Tensor operations (``tensorlib.exp(x)``, ``tensorlib.where(...)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import _ops_elementwise as _ew
+from . import _ops_linalg as _la
+from . import _ops_movement as _mv
+from ._tensor import Tensor
+
+__all__ = [
+    "abs",
+    "broadcast_to",
+    "clip",
+    "concatenate",
+    "exp",
+    "log",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "permute",
+    "reshape",
+    "sqrt",
+    "stack",
+    "sum",
+    "tanh",
+    "transpose",
+    "where",
+]
+
+
+def _t(x: Any) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    return Tensor(x)
+
+
+def exp(x: Tensor) -> Tensor:
+    """Elementwise e**x."""
+    return _t(x).exp()
+
+
+def log(x: Tensor) -> Tensor:
+    """Elementwise natural log."""
+    return _t(x).log()
+
+
+def sqrt(x: Tensor) -> Tensor:
+    """Elementwise square root."""
+    return _t(x).sqrt()
+
+
+def tanh(x: Tensor) -> Tensor:
+    """Elementwise tanh."""
+    return _t(x).tanh()
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001  (NumPy's name)
+    """Elementwise absolute value."""
+    return _t(x).abs()
+
+
+def clip(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+    """Clamp to [min, max]."""
+    return _t(x).clip(min, max)
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    """Elementwise maximum with broadcasting (ties share the gradient)."""
+    return _ew.Maximum.apply(a, b)
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    """Elementwise minimum with broadcasting (ties share the gradient)."""
+    return _ew.Minimum.apply(a, b)
+
+
+def where(condition: Any, a: Any, b: Any) -> Tensor:
+    """Pick ``a`` where ``condition`` is true, else ``b`` (broadcasting all three)."""
+    cond = condition._data if isinstance(condition, Tensor) else condition
+    return _ew.Where.apply(cond, a, b)
+
+
+def sum(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Sum over ``axis``."""
+    return _t(x).sum(axis, keepdims)
+
+
+def mean(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Mean over ``axis``."""
+    return _t(x).mean(axis, keepdims)
+
+
+def max(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Maximum over ``axis``."""
+    return _t(x).max(axis, keepdims)
+
+
+def min(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Minimum over ``axis``."""
+    return _t(x).min(axis, keepdims)
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """Matrix product with NumPy's rules (batched, 1-d operands promoted)."""
+    return _la.Matmul.apply(a, b)
+
+
+def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """Reshape ``x``."""
+    return _t(x).reshape(tuple(shape))
+
+
+def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+    """Permute axes (reverse them when ``axes`` is None)."""
+    return _t(x).transpose(*(() if axes is None else (tuple(axes),)))
+
+
+def permute(x: Tensor, axes: Sequence[int]) -> Tensor:
+    """Permute axes."""
+    return _t(x).transpose(tuple(axes))
+
+
+def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """Broadcast ``x`` to ``shape``."""
+    return _t(x).broadcast_to(shape)
+
+
+def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along an existing axis."""
+    return _mv.Concatenate.apply(*tensors, axis=axis)
+
+
+def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along a new axis."""
+    return _mv.Stack.apply(*tensors, axis=axis)

@@ -1,0 +1,405 @@
+"""Reverse-mode autodiff: the :class:`Function` base, grad mode and the backward engine.
+
+The engine works on raw arrays (NumPy or CuPy), never builds a graph while differentiating,
+and walks the graph iteratively, so graph depth is limited only by memory.
+
+Contract for ``Function.backward``: return, for each argument of ``forward``, a gradient array
+(or None). Each must be a new array, the incoming ``grad`` itself, or a view of ``grad`` --
+never an array saved from forward -- so the engine knows which gradients it may reuse or
+accumulate into in place. Gradients may have a broadcast shape; the engine sums them back to
+the input's shape (the one place un-broadcasting happens).
+
+Hooks used by DistributedDataParallel:
+
+* ``Tensor.register_post_accumulate_grad_hook(fn)``: ``fn(leaf)`` runs right after the leaf's
+  ``.grad`` received its gradient for the current ``backward()`` call (once per call, after all
+  contributions to that leaf were summed).
+* :func:`queue_callback`: ``fn()`` runs once at the end of the current ``backward()`` call,
+  after every gradient was accumulated and before ``backward()`` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ._device import device_of
+
+__all__ = [
+    "Function",
+    "enable_grad",
+    "is_grad_enabled",
+    "no_grad",
+    "queue_callback",
+    "set_grad_enabled",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _GradState(threading.local):
+    def __init__(self) -> None:
+        self.enabled = True
+        # One list of queued callbacks per backward() call in progress on this thread.
+        self.callback_stack: list[list[Callable[[], None]]] = []
+
+
+_state = _GradState()
+
+
+def is_grad_enabled() -> bool:
+    """Return True when operations record the graph for backward."""
+    return _state.enabled
+
+
+class set_grad_enabled:
+    """Context manager (and decorator) that turns graph recording on or off."""
+
+    def __init__(self, mode: bool) -> None:
+        self.mode = bool(mode)
+        self.prev = True
+
+    def __enter__(self) -> None:
+        self.prev = _state.enabled
+        _state.enabled = self.mode
+
+    def __exit__(self, *exc: object) -> None:
+        _state.enabled = self.prev
+
+    def __call__(self, fn: F) -> F:
+        mode = self.mode
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with set_grad_enabled(mode):
+                return fn(*args, **kwargs)
+
+        wrapper.__name__ = getattr(fn, "__name__", "wrapper")
+        wrapper.__doc__ = fn.__doc__
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+
+class no_grad(set_grad_enabled):
+    """Disable graph recording: ``with no_grad(): ...`` or ``@no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+
+
+class enable_grad(set_grad_enabled):
+    """Re-enable graph recording inside a ``no_grad`` block."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` once at the end of the ``backward()`` call now in progress.
+
+    Callbacks run in the order they were queued, after every leaf gradient was accumulated and
+    before ``backward()`` returns. A callback may queue further callbacks; they run too.
+
+    Raises:
+        RuntimeError: if no ``backward()`` is running on this thread.
+    """
+    if not _state.callback_stack:
+        raise RuntimeError(
+            "queue_callback() can only be called while backward() is running "
+            "(e.g. from a post-accumulate-grad hook)"
+        )
+    _state.callback_stack[-1].append(callback)
+
+
+def _describe(args: tuple[Any, ...]) -> str:
+    parts = []
+    for a in args:
+        shape = getattr(a, "shape", None)
+        dtype = getattr(a, "dtype", None)
+        if shape is not None and dtype is not None:
+            parts.append(f"{tuple(shape)} {dtype}")
+        else:
+            parts.append(type(a).__name__)
+    return ", ".join(parts)
+
+
+class Function:
+    """One differentiable primitive: ``forward`` on raw arrays, ``backward`` returning grads.
+
+    Subclasses implement ``forward(*arrays, **options)`` (saving what backward needs on
+    ``self``) and ``backward(grad)``. Users call ``Subclass.apply(*tensors_or_constants)``;
+    non-Tensor arguments are constants and receive no gradient.
+    """
+
+    __slots__ = ("freed", "inputs")
+
+    inputs: tuple[Tensor | None, ...]
+    freed: bool
+    # True for primitives whose output lives on another device than their inputs.
+    moves_device = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def backward(self, grad: Any) -> Any:
+        raise NotImplementedError
+
+    _saved_names: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        names: list[str] = []
+        for klass in cls.__mro__:
+            for name in klass.__dict__.get("__slots__", ()):
+                if name not in ("inputs", "freed"):
+                    names.append(name)
+        cls._saved_names = tuple(names)
+
+    def release(self) -> None:
+        """Drop saved intermediates (called by the engine once backward passed this node)."""
+        for name in self._saved_names:
+            try:
+                delattr(self, name)
+            except AttributeError:
+                pass
+        self.freed = True
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the primitive on Tensors and constants; record it when a gradient is needed."""
+        raw = []
+        requires_grad = False
+        dev = None
+        for a in args:
+            if isinstance(a, Tensor):
+                raw.append(a._data)
+                if a.requires_grad:
+                    requires_grad = True
+                if dev is None:
+                    dev = a._device
+                elif a._device is not dev:
+                    raise RuntimeError(
+                        f"{cls.__name__}: expected all tensors on the same device, got "
+                        f"{dev} and {a._device}"
+                    )
+            else:
+                raw.append(a)
+        ctx = object.__new__(cls)
+        try:
+            out = ctx.forward(*raw, **kwargs)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise type(exc)(f"{cls.__name__}: {exc} (inputs: {_describe(tuple(raw))})") from exc
+        if isinstance(out, np.generic):  # NumPy returns scalars from 0-d ufuncs and reductions
+            out = np.asarray(out)
+        if dev is None or cls.moves_device:
+            dev = device_of(out)
+        t = object.__new__(Tensor)
+        t._data = out
+        t._device = dev
+        t._grad = None
+        t._hooks = None
+        if requires_grad and _state.enabled:
+            ctx.inputs = tuple(a if isinstance(a, Tensor) and a.requires_grad else None for a in args)
+            ctx.freed = False
+            t._ctx = ctx
+            t.requires_grad = True
+        else:
+            t._ctx = None
+            t.requires_grad = False
+        return t
+
+
+def _unbroadcast(fn: Function, grad: Any, shape: tuple[int, ...]) -> Any:
+    """Sum ``grad`` down to ``shape`` (undoing NumPy broadcasting)."""
+    gshape = grad.shape
+    lead = len(gshape) - len(shape)
+    if lead < 0 or any(
+        s != 1 and s != gs for s, gs in zip(shape, gshape[lead:], strict=True)
+    ):
+        raise RuntimeError(
+            f"Function `{type(fn).__name__}` returned a gradient of shape {tuple(gshape)} "
+            f"for an input of shape {tuple(shape)} (this is a bug in that function)"
+        )
+    axes = tuple(range(lead)) + tuple(
+        i + lead for i, s in enumerate(shape) if s == 1 and gshape[i + lead] != 1
+    )
+    if axes:
+        grad = grad.sum(axis=axes)
+    if grad.shape != shape:
+        grad = grad.reshape(shape)
+    return grad
+
+
+def _owns(array: Any) -> bool:
+    # An array that is no view of another one can only be referenced by whoever just made it.
+    return getattr(array, "base", None) is None
+
+
+def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
+    """Backpropagate from ``root`` and accumulate gradients into the leaves' ``.grad``."""
+    if not root.requires_grad:
+        raise RuntimeError(
+            "backward(): this tensor does not require grad and has no graph "
+            "(was it computed under no_grad(), or from tensors with requires_grad=False?)"
+        )
+    xp = root._device.xp
+    if grad is None:
+        if root._data.size != 1:
+            raise RuntimeError(
+                f"backward(): grad can be implicitly created only for scalar outputs, but this "
+                f"tensor has shape {tuple(root.shape)}; pass gradient=... of that shape"
+            )
+        seed = xp.ones(root._data.shape, dtype=root._data.dtype)
+        seed_owned = True
+    else:
+        seed = grad._data if isinstance(grad, Tensor) else xp.asarray(grad)
+        if tuple(seed.shape) != tuple(root.shape):
+            raise RuntimeError(
+                f"backward(): gradient has shape {tuple(seed.shape)} but the tensor has shape "
+                f"{tuple(root.shape)}"
+            )
+        if seed.dtype != root._data.dtype:
+            seed = seed.astype(root._data.dtype)
+        seed_owned = False
+
+    callbacks: list[Callable[[], None]] = []
+    _state.callback_stack.append(callbacks)
+    try:
+        if root._ctx is None:
+            _accumulate(root, seed, seed_owned)
+        else:
+            _run_graph(root, seed, seed_owned, retain_graph)
+        # Callbacks may queue more callbacks; run until none is left.
+        i = 0
+        while i < len(callbacks):
+            callbacks[i]()
+            i += 1
+    finally:
+        _state.callback_stack.pop()
+
+
+def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) -> None:
+    # 1. Count, for every node and leaf reachable from root, how many edges feed it a gradient.
+    root_fn = root._ctx
+    assert root_fn is not None
+    deps: dict[int, int] = {}
+    seen = {id(root_fn)}
+    stack = [root_fn]
+    while stack:
+        fn = stack.pop()
+        if fn.freed:
+            raise RuntimeError(
+                f"Trying to backward through the graph a second time (through `"
+                f"{type(fn).__name__}`), but its saved intermediates were already freed. "
+                f"Pass retain_graph=True to the first backward() if you need to backward twice."
+            )
+        for t in fn.inputs:
+            if t is None:
+                continue
+            node: Any = t._ctx if t._ctx is not None else t
+            key = id(node)
+            deps[key] = deps.get(key, 0) + 1
+            if t._ctx is not None and key not in seen:
+                seen.add(key)
+                stack.append(t._ctx)
+
+    # 2. Kahn's algorithm: a node runs once every consumer has given it its gradient.
+    grads: dict[int, tuple[Any, bool]] = {id(root_fn): (seed, seed_owned)}
+    ready = [root_fn]
+    while ready:
+        fn = ready.pop()
+        g, g_owned = grads.pop(id(fn))
+        result = fn.backward(g)
+        if not isinstance(result, tuple):
+            result = (result,)
+        if not retain_graph:
+            fn.release()
+        inputs = fn.inputs
+        if len(result) != len(inputs):
+            raise RuntimeError(
+                f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
+                f"{len(inputs)} inputs (this is a bug in that function)"
+            )
+        any_view = False
+        for r in result:
+            if r is not None and r is not g and not _owns(r):
+                any_view = True
+        handed: list[int] = []
+        for t, gi in zip(inputs, result, strict=True):
+            if t is None:
+                continue
+            node: Any = t._ctx if t._ctx is not None else t
+            key = id(node)
+            if gi is None:
+                owned = False
+            else:
+                if gi is g:
+                    owned = g_owned and not any_view and id(gi) not in handed
+                else:
+                    owned = id(gi) not in handed and _owns(gi)
+                handed.append(id(gi))
+                if isinstance(gi, np.generic):
+                    gi = np.asarray(gi)
+                    owned = True
+                tshape = t._data.shape
+                if gi.shape != tshape:
+                    gi = _unbroadcast(fn, gi, tshape)
+                    owned = owned or _owns(gi)
+                if gi.dtype != t._data.dtype:
+                    gi = gi.astype(t._data.dtype)
+                    owned = True
+                prev = grads.get(key)
+                if prev is not None:
+                    pg, powned = prev
+                    if powned:
+                        pg += gi
+                    else:
+                        grads[key] = (pg + gi, True)
+                else:
+                    grads[key] = (gi, owned)
+            remaining = deps[key] - 1
+            deps[key] = remaining
+            if remaining == 0:
+                entry = grads.get(key)
+                if t._ctx is not None:
+                    if entry is None:
+                        continue  # no gradient flows into this branch
+                    ready.append(t._ctx)
+                else:
+                    if entry is None:
+                        continue
+                    del grads[key]
+                    _accumulate(t, entry[0], entry[1])
+
+
+def _accumulate(leaf: Tensor, g: Any, owned: bool) -> None:
+    """Add ``g`` into ``leaf.grad`` (in place when one exists) and fire its hooks."""
+    current = leaf._grad
+    if current is None:
+        leaf._grad = Tensor._wrap(g if owned else g.copy(), leaf._device)
+    else:
+        current._data += g
+    hooks = leaf._hooks
+    if hooks:
+        for hook in list(hooks.values()):
+            hook(leaf)
+
+
+class RemovableHandle:
+    """Returned by hook registration; ``remove()`` unregisters the hook."""
+
+    _next_id = 0
+
+    def __init__(self, hooks: dict[int, Any]) -> None:
+        self._hooks = hooks
+        self.id = RemovableHandle._next_id
+        RemovableHandle._next_id += 1
+
+    def remove(self) -> None:
+        """Unregister the hook (idempotent)."""
+        self._hooks.pop(self.id, None)
+
+
+from ._tensor import Tensor  # noqa: E402  (Tensor needs Function first; import at the end)

@@ -1,0 +1,241 @@
+"""Devices: ``"cpu"`` runs on NumPy, ``"cuda:N"`` on CuPy on GPU N.
+
+CuPy is optional and imported lazily, the first time a CUDA device is asked for. When it cannot
+be used, the original reason is kept and every later request raises one clear
+:class:`CudaUnavailableError` that says what is missing and how to install it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CudaUnavailableError",
+    "Device",
+    "cuda_device_count",
+    "cuda_is_available",
+    "cuda_unavailable_reason",
+    "device",
+    "device_of",
+]
+
+_INSTALL_HINT = (
+    "Install the GPU extra that matches your driver: `pip install .[cuda12]` (CUDA 12) or "
+    "`pip install .[cuda13]` (CUDA 13)."
+)
+
+
+class CudaUnavailableError(RuntimeError):
+    """A CUDA device was requested but CuPy, the driver or a GPU is missing."""
+
+
+_cupy: ModuleType | None = None
+_cupy_reason: str | None = None
+_cupy_lock = threading.Lock()
+
+
+def _load_cupy() -> ModuleType:
+    """Import CuPy once and check that it sees at least one GPU."""
+    global _cupy, _cupy_reason
+    if _cupy is not None:
+        return _cupy
+    with _cupy_lock:
+        if _cupy is not None:
+            return _cupy
+        if _cupy_reason is not None:
+            raise CudaUnavailableError(_cupy_reason)
+        try:
+            import cupy
+        except Exception as exc:  # ImportError, or a CuPy built for another CUDA version
+            _cupy_reason = (
+                f"CuPy is not installed or failed to import ({type(exc).__name__}: {exc}). "
+                + _INSTALL_HINT
+            )
+            raise CudaUnavailableError(_cupy_reason) from exc
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as exc:  # no driver, or driver older than CuPy's CUDA
+            _cupy_reason = (
+                f"CuPy {cupy.__version__} is installed but found no usable NVIDIA driver "
+                f"({type(exc).__name__}: {exc}). Check `nvidia-smi`; if the driver is older than "
+                f"CuPy's CUDA version, install the other extra. " + _INSTALL_HINT
+            )
+            raise CudaUnavailableError(_cupy_reason) from exc
+        if count == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            _cupy_reason = (
+                f"CuPy {cupy.__version__} is installed but no CUDA GPU is visible"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + "."
+            )
+            raise CudaUnavailableError(_cupy_reason)
+        _cupy = cupy
+        return cupy
+
+
+def cuda_is_available() -> bool:
+    """Return True when CuPy imports and sees at least one GPU."""
+    try:
+        _load_cupy()
+    except CudaUnavailableError:
+        return False
+    return True
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Return why CUDA cannot be used, or None when it can."""
+    try:
+        _load_cupy()
+    except CudaUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+def cuda_device_count() -> int:
+    """Return the number of visible GPUs (0 when CUDA is unavailable)."""
+    try:
+        cp = _load_cupy()
+    except CudaUnavailableError:
+        return 0
+    return int(cp.cuda.runtime.getDeviceCount())
+
+
+class Device:
+    """A place where arrays live, with the array module that computes on it.
+
+    ``Device("cpu")`` uses NumPy; ``Device("cuda")`` / ``Device("cuda:N")`` use CuPy on GPU N.
+    Devices are interned: equal specs give the same object, so ``is`` comparisons are valid.
+
+    Attributes:
+        type: ``"cpu"`` or ``"cuda"``.
+        index: GPU ordinal for CUDA devices, None for the CPU.
+    """
+
+    __slots__ = ("_name", "index", "type")
+    _cache: dict[str, Device] = {}  # noqa: RUF012  (class-level intern table)
+
+    type: str
+    index: int | None
+    _name: str
+
+    def __new__(cls, spec: str | Device = "cpu") -> Device:
+        if isinstance(spec, Device):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"device must be a str like 'cpu' or 'cuda:0', got {spec!r}")
+        cached = cls._cache.get(spec)
+        if cached is not None:
+            return cached
+        name = spec.strip().lower()
+        if name == "cpu":
+            kind, index = "cpu", None
+        elif name == "cuda" or name.startswith("cuda:"):
+            kind = "cuda"
+            tail = name[5:] if name.startswith("cuda:") else ""
+            if tail == "":
+                index = 0
+            elif tail.isdigit():
+                index = int(tail)
+            else:
+                raise ValueError(f"invalid CUDA device {spec!r}: expected 'cuda' or 'cuda:N'")
+        else:
+            raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+        canonical = "cpu" if kind == "cpu" else f"cuda:{index}"
+        dev = cls._cache.get(canonical)
+        if dev is None:
+            if kind == "cuda":
+                cp = _load_cupy()
+                count = int(cp.cuda.runtime.getDeviceCount())
+                assert index is not None
+                if index >= count:
+                    raise CudaUnavailableError(
+                        f"device {canonical!r} requested but only {count} GPU(s) are visible"
+                    )
+            dev = object.__new__(cls)
+            dev.type = kind
+            dev.index = index
+            dev._name = canonical
+            cls._cache[canonical] = dev
+        cls._cache[spec] = dev
+        return dev
+
+    @property
+    def xp(self) -> ModuleType:
+        """The array module of this device: ``numpy`` or ``cupy``."""
+        return np if self.type == "cpu" else _load_cupy()
+
+    @property
+    def is_cuda(self) -> bool:
+        """True for CUDA devices."""
+        return self.type == "cuda"
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on this device (a no-op on the CPU)."""
+        if self.type == "cuda":
+            cp = _load_cupy()
+            with cp.cuda.Device(self.index):
+                cp.cuda.Device(self.index).synchronize()
+
+    def __enter__(self) -> Device:
+        """Make this the current CUDA device for array creation (no-op on the CPU)."""
+        if self.type == "cuda":
+            cp = _load_cupy()
+            ctx = cp.cuda.Device(self.index)
+            ctx.__enter__()
+            _ctx_stack.stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.type == "cuda":
+            _ctx_stack.stack.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"device({self._name!r})"
+
+    def __str__(self) -> str:
+        return self._name
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = Device(other)
+            except (ValueError, TypeError, CudaUnavailableError):
+                return False
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Device, (self._name,))
+
+
+class _CtxStack(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+
+
+_ctx_stack = _CtxStack()
+CPU = Device("cpu")
+
+
+def device(spec: str | Device | None = None) -> Device:
+    """Return the :class:`Device` for ``spec`` (``None`` means the CPU)."""
+    if spec is None:
+        return CPU
+    return Device(spec)
+
+
+def device_of(array: Any) -> Device:
+    """Return the device an array lives on (NumPy -> cpu, CuPy -> cuda:N)."""
+    if isinstance(array, np.ndarray | np.generic):
+        return CPU
+    mod = type(array).__module__
+    if mod.startswith("cupy"):
+        return Device(f"cuda:{array.device.id}")
+    raise TypeError(f"expected a NumPy or CuPy array, got {type(array).__name__}")

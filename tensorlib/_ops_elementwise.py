@@ -1,0 +1,340 @@
+"""Elementwise primitives: arithmetic, unary math, activations, comparisons-with-grad, casts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._autograd import Function
+from ._device import Device, _load_cupy
+
+__all__ = [
+    "Abs",
+    "Add",
+    "Cast",
+    "Clip",
+    "Div",
+    "Exp",
+    "Gelu",
+    "Log",
+    "Maximum",
+    "Minimum",
+    "Mul",
+    "Neg",
+    "Pow",
+    "Relu",
+    "Sigmoid",
+    "Sqrt",
+    "Sub",
+    "Tanh",
+    "ToDevice",
+    "Where",
+    "xp_of",
+]
+
+
+def xp_of(a: Any) -> Any:
+    """Array module (numpy or cupy) of an array."""
+    return np if isinstance(a, np.ndarray | np.generic) else _load_cupy()
+
+
+# ============================================================================ binary arithmetic
+class Add(Function):
+    __slots__ = ()
+
+    def forward(self, a: Any, b: Any) -> Any:
+        return a + b
+
+    def backward(self, g: Any) -> Any:
+        return g, g
+
+
+class Sub(Function):
+    __slots__ = ()
+
+    def forward(self, a: Any, b: Any) -> Any:
+        return a - b
+
+    def backward(self, g: Any) -> Any:
+        return g, (-g if self.inputs[1] is not None else None)
+
+
+class Mul(Function):
+    __slots__ = ("a", "b")
+
+    def forward(self, a: Any, b: Any) -> Any:
+        self.a, self.b = a, b
+        return a * b
+
+    def backward(self, g: Any) -> Any:
+        ga = g * self.b if self.inputs[0] is not None else None
+        gb = g * self.a if self.inputs[1] is not None else None
+        return ga, gb
+
+
+class Div(Function):
+    __slots__ = ("b", "out")
+
+    def forward(self, a: Any, b: Any) -> Any:
+        self.b = b
+        self.out = out = a / b
+        return out
+
+    def backward(self, g: Any) -> Any:
+        ga = g / self.b if self.inputs[0] is not None else None
+        gb = -g * self.out / self.b if self.inputs[1] is not None else None
+        return ga, gb
+
+
+class Pow(Function):
+    __slots__ = ("a", "b", "out")
+
+    def forward(self, a: Any, b: Any) -> Any:
+        self.a, self.b = a, b
+        self.out = out = a**b
+        return out
+
+    def backward(self, g: Any) -> Any:
+        a, b = self.a, self.b
+        ga = gb = None
+        if self.inputs[0] is not None:
+            if isinstance(b, int | float) and b == 2:
+                ga = g * (2 * a)
+            else:
+                ga = g * (b * a ** (b - 1))
+        if self.inputs[1] is not None:
+            xp = xp_of(self.out)
+            gb = g * self.out * xp.log(a)
+        return ga, gb
+
+
+class Neg(Function):
+    __slots__ = ()
+
+    def forward(self, a: Any) -> Any:
+        return -a
+
+    def backward(self, g: Any) -> Any:
+        return -g
+
+
+# ============================================================================ unary math
+class Exp(Function):
+    __slots__ = ("out",)
+
+    def forward(self, a: Any) -> Any:
+        self.out = out = xp_of(a).exp(a)
+        return out
+
+    def backward(self, g: Any) -> Any:
+        return g * self.out
+
+
+class Log(Function):
+    __slots__ = ("a",)
+
+    def forward(self, a: Any) -> Any:
+        self.a = a
+        return xp_of(a).log(a)
+
+    def backward(self, g: Any) -> Any:
+        return g / self.a
+
+
+class Sqrt(Function):
+    __slots__ = ("out",)
+
+    def forward(self, a: Any) -> Any:
+        self.out = out = xp_of(a).sqrt(a)
+        return out
+
+    def backward(self, g: Any) -> Any:
+        return g / (2 * self.out)
+
+
+class Abs(Function):
+    __slots__ = ("a",)
+
+    def forward(self, a: Any) -> Any:
+        self.a = a
+        return xp_of(a).abs(a)
+
+    def backward(self, g: Any) -> Any:
+        return g * xp_of(g).sign(self.a)
+
+
+class Clip(Function):
+    __slots__ = ("a", "hi", "lo")
+
+    def forward(self, a: Any, lo: float | None = None, hi: float | None = None) -> Any:
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"clip: min ({lo}) is greater than max ({hi})")
+        self.a, self.lo, self.hi = a, lo, hi
+        if lo is None and hi is None:
+            return a.copy()
+        return xp_of(a).clip(a, lo, hi)
+
+    def backward(self, g: Any) -> Any:
+        a, lo, hi = self.a, self.lo, self.hi
+        xp = xp_of(g)
+        if lo is None and hi is None:
+            return g
+        if lo is None:
+            mask = a <= hi
+        elif hi is None:
+            mask = a >= lo
+        else:
+            mask = (a >= lo) & (a <= hi)
+        return xp.where(mask, g, 0)
+
+
+# ============================================================================ activations
+class Tanh(Function):
+    __slots__ = ("out",)
+
+    def forward(self, a: Any) -> Any:
+        self.out = out = xp_of(a).tanh(a)
+        return out
+
+    def backward(self, g: Any) -> Any:
+        out = self.out
+        return g * (1 - out * out)
+
+
+class Sigmoid(Function):
+    __slots__ = ("out",)
+
+    def forward(self, a: Any) -> Any:
+        xp = xp_of(a)
+        # exp(-|x|) never overflows; pick the stable branch per sign.
+        e = xp.exp(-xp.abs(a))
+        out = xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
+        self.out = out
+        return out
+
+    def backward(self, g: Any) -> Any:
+        out = self.out
+        return g * (out * (1 - out))
+
+
+class Relu(Function):
+    __slots__ = ("out",)
+
+    def forward(self, a: Any) -> Any:
+        self.out = out = xp_of(a).maximum(a, 0)
+        return out
+
+    def backward(self, g: Any) -> Any:
+        return g * (self.out > 0)
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+class Gelu(Function):
+    """GELU with the tanh approximation (GPT-2's; torch's ``approximate='tanh'``)."""
+
+    __slots__ = ("a", "t")
+
+    def forward(self, a: Any) -> Any:
+        xp = xp_of(a)
+        t = xp.tanh(_GELU_C * (a + _GELU_K * a * a * a))
+        self.a, self.t = a, t
+        return 0.5 * a * (1 + t)
+
+    def backward(self, g: Any) -> Any:
+        a, t = self.a, self.t
+        du = _GELU_C * (1 + 3 * _GELU_K * a * a)
+        return g * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * du)
+
+
+# ============================================================================ select
+class Maximum(Function):
+    __slots__ = ("a", "b")
+
+    def forward(self, a: Any, b: Any) -> Any:
+        self.a, self.b = a, b
+        xp = xp_of(a) if not isinstance(a, int | float) else xp_of(b)
+        return xp.maximum(a, b)
+
+    def backward(self, g: Any) -> Any:
+        return _select_grads(self, g, self.a > self.b)
+
+
+class Minimum(Function):
+    __slots__ = ("a", "b")
+
+    def forward(self, a: Any, b: Any) -> Any:
+        self.a, self.b = a, b
+        xp = xp_of(a) if not isinstance(a, int | float) else xp_of(b)
+        return xp.minimum(a, b)
+
+    def backward(self, g: Any) -> Any:
+        return _select_grads(self, g, self.a < self.b)
+
+
+def _select_grads(fn: Maximum | Minimum, g: Any, a_wins: Any) -> tuple[Any, Any]:
+    # Ties split the gradient equally, as torch.maximum does.
+    xp = xp_of(g)
+    tie = fn.a == fn.b
+    half = g * 0.5
+    ga = xp.where(a_wins, g, xp.where(tie, half, 0)) if fn.inputs[0] is not None else None
+    gb = xp.where(a_wins, 0, xp.where(tie, half, g)) if fn.inputs[1] is not None else None
+    return ga, gb
+
+
+class Where(Function):
+    __slots__ = ("cond",)
+
+    def forward(self, cond: Any, a: Any, b: Any) -> Any:
+        if getattr(cond, "dtype", None) != np.bool_:
+            raise TypeError(f"where: condition must be a bool array, got {type(cond).__name__} "
+                            f"of dtype {getattr(cond, 'dtype', None)}")
+        self.cond = cond
+        return xp_of(cond).where(cond, a, b)
+
+    def backward(self, g: Any) -> Any:
+        xp = xp_of(g)
+        cond = self.cond
+        ga = xp.where(cond, g, 0) if self.inputs[1] is not None else None
+        gb = xp.where(cond, 0, g) if self.inputs[2] is not None else None
+        return None, ga, gb
+
+
+# ============================================================================ casts and moves
+class Cast(Function):
+    __slots__ = ()
+
+    def forward(self, a: Any, dtype: Any = None) -> Any:
+        return a.astype(dtype)
+
+    def backward(self, g: Any) -> Any:
+        return g  # the engine casts it back to the input's dtype
+
+
+class ToDevice(Function):
+    __slots__ = ("src",)
+    moves_device = True
+
+    def forward(self, a: Any, device: Device | None = None) -> Any:
+        from ._device import device_of
+
+        self.src = device_of(a)
+        assert device is not None
+        return _move(a, device)
+
+    def backward(self, g: Any) -> Any:
+        return _move(g, self.src)
+
+
+def _move(a: Any, dev: Device) -> Any:
+    if dev.type == "cpu":
+        return a.get() if not isinstance(a, np.ndarray) else a
+    cp = _load_cupy()
+    with cp.cuda.Device(dev.index):
+        if isinstance(a, np.ndarray):
+            return cp.asarray(a)  # host -> device copy
+        return cp.array(a, copy=True)  # between GPUs (asarray would keep the old device)

@@ -1,0 +1,157 @@
+"""Movement primitives: reshape, transpose, broadcast, indexing, concatenate, stack."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._autograd import Function
+from ._ops_elementwise import xp_of
+
+__all__ = [
+    "BroadcastTo",
+    "Concatenate",
+    "Getitem",
+    "Reshape",
+    "Stack",
+    "Transpose",
+    "normalize_index",
+    "norm_perm",
+]
+
+
+def norm_perm(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """Check that ``axes`` is a permutation of ``range(ndim)`` (negatives allowed)."""
+    if len(axes) != ndim:
+        raise ValueError(f"transpose: axes {tuple(axes)} do not match a tensor with {ndim} dims")
+    out = []
+    for a in axes:
+        if not isinstance(a, int | np.integer) or not -ndim <= a < ndim:
+            raise ValueError(f"transpose: axis {a!r} out of range for {ndim} dims")
+        out.append(int(a) % ndim)
+    if sorted(out) != list(range(ndim)):
+        raise ValueError(f"transpose: axes {tuple(axes)} are not a permutation")
+    return tuple(out)
+
+
+def normalize_index(index: Any) -> Any:
+    """Replace Tensors inside an index by their arrays; lists become integer/bool arrays."""
+    from ._tensor import Tensor
+
+    def one(i: Any) -> Any:
+        if isinstance(i, Tensor):
+            return i._data
+        if isinstance(i, list):
+            return np.asarray(i)
+        return i
+
+    if isinstance(index, tuple):
+        return tuple(one(i) for i in index)
+    return one(index)
+
+
+def _has_int_array(index: Any) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    for p in parts:
+        kind = getattr(getattr(p, "dtype", None), "kind", None)
+        if kind in ("i", "u"):
+            return True
+    return False
+
+
+class Reshape(Function):
+    __slots__ = ("shape",)
+
+    def forward(self, a: Any, shape: tuple[int, ...] = ()) -> Any:
+        self.shape = a.shape
+        return a.reshape(shape)
+
+    def backward(self, g: Any) -> Any:
+        return g.reshape(self.shape)
+
+
+class Transpose(Function):
+    __slots__ = ("inv",)
+
+    def forward(self, a: Any, axes: tuple[int, ...] = ()) -> Any:
+        self.inv = tuple(int(i) for i in np.argsort(axes))
+        return a.transpose(axes)
+
+    def backward(self, g: Any) -> Any:
+        return g.transpose(self.inv)
+
+
+class BroadcastTo(Function):
+    __slots__ = ()
+
+    def forward(self, a: Any, shape: tuple[int, ...] = ()) -> Any:
+        return xp_of(a).broadcast_to(a, shape)
+
+    def backward(self, g: Any) -> Any:
+        return g  # the engine sums it back to the input's shape
+
+
+class Getitem(Function):
+    __slots__ = ("dtype", "index", "shape")
+
+    def forward(self, a: Any, index: Any = None) -> Any:
+        self.shape, self.dtype, self.index = a.shape, a.dtype, index
+        return a[index]
+
+    def backward(self, g: Any) -> Any:
+        xp = xp_of(g)
+        grad = xp.zeros(self.shape, dtype=self.dtype)
+        index = self.index
+        if _has_int_array(index):
+            # Repeated integer indices must add up (add.at), not overwrite.
+            if xp is np:
+                np.add.at(grad, index, g)
+            else:
+                import cupyx
+
+                cupyx.scatter_add(grad, index, g)
+        else:
+            grad[index] = g
+        return grad
+
+
+class Concatenate(Function):
+    __slots__ = ("axis", "sizes")
+
+    def forward(self, *arrays: Any, axis: int = 0) -> Any:
+        if not arrays:
+            raise ValueError("need at least one tensor to concatenate")
+        xp = xp_of(next(a for a in arrays if hasattr(a, "shape")))
+        out = xp.concatenate(arrays, axis=axis)
+        self.axis = axis % out.ndim
+        self.sizes = [a.shape[self.axis] for a in arrays]
+        return out
+
+    def backward(self, g: Any) -> Any:
+        grads = []
+        start = 0
+        lead = (slice(None),) * self.axis
+        for n, inp in zip(self.sizes, self.inputs, strict=True):
+            grads.append(g[(*lead, slice(start, start + n))] if inp is not None else None)
+            start += n
+        return tuple(grads)
+
+
+class Stack(Function):
+    __slots__ = ("axis",)
+
+    def forward(self, *arrays: Any, axis: int = 0) -> Any:
+        if not arrays:
+            raise ValueError("need at least one tensor to stack")
+        xp = xp_of(next(a for a in arrays if hasattr(a, "shape")))
+        out = xp.stack(arrays, axis=axis)
+        self.axis = axis % out.ndim
+        return out
+
+    def backward(self, g: Any) -> Any:
+        lead = (slice(None),) * self.axis
+        return tuple(
+            g[(*lead, i)] if inp is not None else None for i, inp in enumerate(self.inputs)
+        )

@@ -1,0 +1,584 @@
+"""The :class:`Tensor`: one NumPy or CuPy array plus what autodiff needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _autograd
+from ._device import CPU, Device, device_of
+from ._dtype import SUPPORTED, is_floating, normalize_dtype
+
+__all__ = ["Tensor"]
+
+Scalar = int | float | bool
+
+
+def _check_array_dtype(array: Any) -> None:
+    if array.dtype not in SUPPORTED:
+        raise TypeError(
+            f"unsupported dtype {array.dtype}; tensorlib supports float16, float32, float64, "
+            f"int32, int64, bool (convert with .astype() first)"
+        )
+
+
+class Tensor:
+    """An n-dimensional array on a device, with reverse-mode autodiff.
+
+    Build tensors with :func:`tensorlib.tensor`, :func:`tensorlib.zeros` and friends, or
+    ``Tensor(data, dtype=None, device=None, requires_grad=False)`` (which copies ``data``).
+
+    Attributes:
+        requires_grad: whether operations on this tensor are recorded for backward.
+    """
+
+    __slots__ = ("__weakref__", "_ctx", "_data", "_device", "_grad", "_hooks", "requires_grad")
+
+    _data: Any
+    _device: Device
+    _grad: Tensor | None
+    _ctx: _autograd.Function | None
+    _hooks: dict[int, Callable[[Tensor], None]] | None
+    requires_grad: bool
+
+    # Make NumPy defer to our reflected operators (ndarray + Tensor -> Tensor.__radd__).
+    __array_priority__ = 1000
+    __array_ufunc__ = None
+
+    def __init__(
+        self,
+        data: Any,
+        dtype: Any = None,
+        device: str | Device | None = None,
+        requires_grad: bool = False,
+    ) -> None:
+        from ._creation import _to_array
+
+        array, dev = _to_array(data, dtype, device, copy=True)
+        self._data = array
+        self._device = dev
+        self._grad = None
+        self._ctx = None
+        self._hooks = None
+        self.requires_grad = False
+        if requires_grad:
+            self.requires_grad_(True)
+
+    @classmethod
+    def _wrap(cls, array: Any, device: Device | None = None) -> Tensor:
+        """Wrap an array without copying or checks (internal fast path)."""
+        if isinstance(array, np.generic):
+            array = np.asarray(array)
+        t = object.__new__(cls)
+        t._data = array
+        t._device = device if device is not None else device_of(array)
+        t._grad = None
+        t._ctx = None
+        t._hooks = None
+        t.requires_grad = False
+        return t
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def data(self) -> Any:
+        """The underlying NumPy or CuPy array (no graph: writing to it is not recorded)."""
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        if isinstance(value, Tensor):
+            value = value._data
+        dev = device_of(value)
+        _check_array_dtype(value)
+        self._data = value
+        self._device = dev
+
+    @property
+    def grad(self) -> Tensor | None:
+        """The accumulated gradient (a Tensor of this tensor's shape), or None."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | Any | None) -> None:
+        if value is None:
+            self._grad = None
+            return
+        g = value if isinstance(value, Tensor) else Tensor._wrap(value)
+        if tuple(g.shape) != tuple(self.shape):
+            raise ValueError(
+                f"assigned grad has shape {tuple(g.shape)} but the tensor has shape "
+                f"{tuple(self.shape)}"
+            )
+        if g.dtype != self.dtype:
+            raise TypeError(f"assigned grad has dtype {g.dtype} but the tensor has {self.dtype}")
+        if g._device is not self._device:
+            raise ValueError(f"assigned grad is on {g._device} but the tensor is on {self._device}")
+        self._grad = g
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape, as a tuple of ints."""
+        return tuple(self._data.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return int(self._data.ndim)
+
+    @property
+    def size(self) -> int:
+        """Number of elements (NumPy's name)."""
+        return int(self._data.size)
+
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(self._data.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the data."""
+        return int(self._data.nbytes)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The element dtype (a NumPy dtype)."""
+        return self._data.dtype  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> Device:
+        """The device the data lives on."""
+        return self._device
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors not produced by a recorded operation."""
+        return self._ctx is None
+
+    @property
+    def grad_fn(self) -> _autograd.Function | None:
+        """The Function that produced this tensor, or None for leaves."""
+        return self._ctx
+
+    @property
+    def T(self) -> Tensor:
+        """The transpose (all axes reversed)."""
+        return self.transpose()
+
+    # ------------------------------------------------------------------ conversion
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """Return the data as a NumPy array (shares memory on the CPU; copies from a GPU)."""
+        if self._device is CPU:
+            return self._data  # type: ignore[no-any-return]
+        return self._data.get()  # type: ignore[no-any-return]
+
+    def item(self) -> Scalar:
+        """Return the single element as a Python scalar."""
+        if self._data.size != 1:
+            raise ValueError(
+                f"item(): only tensors with one element can be converted, got shape {self.shape}"
+            )
+        return self._data.reshape(()).item()  # type: ignore[no-any-return]
+
+    def tolist(self) -> Any:
+        """Return the data as (nested) Python lists."""
+        return self.numpy().tolist()
+
+    def detach(self) -> Tensor:
+        """Return a tensor sharing this data, cut off from the graph."""
+        return Tensor._wrap(self._data, self._device)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Set ``requires_grad`` in place (only floating tensors can require grad)."""
+        if requires_grad and not is_floating(self._data.dtype):
+            raise TypeError(
+                f"only floating-point tensors can require gradients, got dtype {self.dtype}"
+            )
+        if not requires_grad and self._ctx is not None:
+            raise RuntimeError(
+                "requires_grad_(False) on a non-leaf tensor; use .detach() to leave the graph"
+            )
+        self.requires_grad = requires_grad
+        return self
+
+    def to(self, target: str | Device | Any = None, dtype: Any = None) -> Tensor:
+        """Move to a device and/or cast to a dtype (differentiable).
+
+        Args:
+            target: a device (``"cpu"``, ``"cuda:0"``) or a dtype.
+            dtype: a dtype, when ``target`` is a device.
+        """
+        out = self
+        if target is not None:
+            if isinstance(target, Device) or (
+                isinstance(target, str) and (target == "cpu" or target.startswith("cuda"))
+            ):
+                dev = Device(target)
+                if dev is not self._device:
+                    out = _ew.ToDevice.apply(out, device=dev)
+            else:
+                dtype = target
+        if dtype is not None:
+            dt = normalize_dtype(dtype)
+            if dt != out.dtype:
+                out = _ew.Cast.apply(out, dtype=dt)
+        return out
+
+    def astype(self, dtype: Any) -> Tensor:
+        """Cast to ``dtype`` (differentiable between floating dtypes)."""
+        return self.to(dtype=dtype)
+
+    def float(self) -> Tensor:
+        """Cast to float32."""
+        return self.to(dtype=np.float32)
+
+    def double(self) -> Tensor:
+        """Cast to float64."""
+        return self.to(dtype=np.float64)
+
+    def half(self) -> Tensor:
+        """Cast to float16."""
+        return self.to(dtype=np.float16)
+
+    def long(self) -> Tensor:
+        """Cast to int64."""
+        return self.to(dtype=np.int64)
+
+    def cpu(self) -> Tensor:
+        """Move to the CPU."""
+        return self.to(CPU)
+
+    def cuda(self, index: int = 0) -> Tensor:
+        """Move to GPU ``index``."""
+        return self.to(Device(f"cuda:{index}"))
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """Export the data through DLPack (zero-copy)."""
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """DLPack device tuple of the data."""
+        return self._data.__dlpack_device__()  # type: ignore[no-any-return]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        arr = self.numpy()
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        return arr
+
+    # ------------------------------------------------------------------ autodiff
+    def backward(self, gradient: Tensor | Any | None = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad``.
+
+        Args:
+            gradient: d(loss)/d(self); required unless this tensor has one element.
+            retain_graph: keep saved intermediates so backward can run through them again.
+
+        Raises:
+            RuntimeError: for a non-scalar output without ``gradient``, a tensor that does not
+                require grad, or a second backward through freed intermediates.
+        """
+        _autograd.run_backward(self, gradient, retain_graph)
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> Any:
+        """Call ``hook(self)`` right after this leaf's ``.grad`` was accumulated in backward.
+
+        Fires once per ``backward()`` call in which this leaf received a gradient, after all
+        contributions were summed into ``.grad``. Returns a handle with ``remove()``.
+        """
+        if self._ctx is not None:
+            raise RuntimeError("post-accumulate-grad hooks can only be registered on leaf tensors")
+        if not self.requires_grad:
+            raise RuntimeError("cannot register a grad hook on a tensor that does not require grad")
+        if self._hooks is None:
+            self._hooks = {}
+        handle = _autograd.RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def zero_grad_(self) -> None:
+        """Set ``.grad`` to None."""
+        self._grad = None
+
+    # ------------------------------------------------------------------ operators
+    def __add__(self, other: Any) -> Tensor:
+        return _ew.Add.apply(self, other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return _ew.Add.apply(other, self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return _ew.Sub.apply(self, other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return _ew.Sub.apply(other, self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return _ew.Mul.apply(self, other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return _ew.Mul.apply(other, self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return _ew.Div.apply(self, other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return _ew.Div.apply(other, self)
+
+    def __pow__(self, other: Any) -> Tensor:
+        return _ew.Pow.apply(self, other)
+
+    def __rpow__(self, other: Any) -> Tensor:
+        return _ew.Pow.apply(other, self)
+
+    def __neg__(self) -> Tensor:
+        return _ew.Neg.apply(self)
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return _ew.Abs.apply(self)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return _la.Matmul.apply(self, other)
+
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return _la.Matmul.apply(other, self)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return _mv.Getitem.apply(self, index=_mv.normalize_index(index))
+
+    # Comparisons give bool tensors and are not differentiable.
+    def _compare(self, other: Any, op: Callable[[Any, Any], Any]) -> Tensor:
+        o = other._data if isinstance(other, Tensor) else other
+        return Tensor._wrap(op(self._data, o), self._device)
+
+    def __lt__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a < b)
+
+    def __le__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a <= b)
+
+    def __gt__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a > b)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a >= b)
+
+    def __eq__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return self._compare(other, lambda a, b: a == b)
+
+    def __ne__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return self._compare(other, lambda a, b: a != b)
+
+    def __invert__(self) -> Tensor:
+        return Tensor._wrap(~self._data, self._device)
+
+    def __and__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a & b)
+
+    def __or__(self, other: Any) -> Tensor:
+        return self._compare(other, lambda a, b: a | b)
+
+    __hash__ = object.__hash__
+
+    def __len__(self) -> int:
+        if self._data.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return int(self._data.shape[0])
+
+    def __iter__(self) -> Any:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        if self._data.size != 1:
+            raise ValueError(
+                f"the truth value of a tensor with {self._data.size} elements is ambiguous; "
+                "use .any() or .all()"
+            )
+        return bool(self._data.reshape(()).item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __repr__(self) -> str:
+        body = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
+        extra = ""
+        if self._device is not CPU:
+            extra += f", device='{self._device}'"
+        if self.dtype not in (np.float32, np.int64, np.bool_):
+            extra += f", dtype={self.dtype}"
+        if self._ctx is not None:
+            extra += f", grad_fn=<{type(self._ctx).__name__}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return f"tensor({body}{extra})"
+
+    # ------------------------------------------------------------------ elementwise
+    def exp(self) -> Tensor:
+        """Elementwise e**x."""
+        return _ew.Exp.apply(self)
+
+    def log(self) -> Tensor:
+        """Elementwise natural logarithm."""
+        return _ew.Log.apply(self)
+
+    def sqrt(self) -> Tensor:
+        """Elementwise square root."""
+        return _ew.Sqrt.apply(self)
+
+    def tanh(self) -> Tensor:
+        """Elementwise hyperbolic tangent."""
+        return _ew.Tanh.apply(self)
+
+    def sigmoid(self) -> Tensor:
+        """Elementwise logistic sigmoid (numerically stable)."""
+        return _ew.Sigmoid.apply(self)
+
+    def relu(self) -> Tensor:
+        """Elementwise max(x, 0)."""
+        return _ew.Relu.apply(self)
+
+    def gelu(self) -> Tensor:
+        """GELU, tanh approximation."""
+        return _ew.Gelu.apply(self)
+
+    def abs(self) -> Tensor:
+        """Elementwise absolute value."""
+        return _ew.Abs.apply(self)
+
+    def clip(self, min: Scalar | None = None, max: Scalar | None = None) -> Tensor:
+        """Clamp values to [min, max]; gradient flows where min <= x <= max."""
+        return _ew.Clip.apply(self, lo=min, hi=max)
+
+    def maximum(self, other: Any) -> Tensor:
+        """Elementwise maximum with broadcasting."""
+        return _ew.Maximum.apply(self, other)
+
+    def minimum(self, other: Any) -> Tensor:
+        """Elementwise minimum with broadcasting."""
+        return _ew.Minimum.apply(self, other)
+
+    # ------------------------------------------------------------------ reductions
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Sum over ``axis`` (all axes when None)."""
+        return _rd.Sum.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Mean over ``axis`` (all axes when None)."""
+        return _rd.Mean.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Maximum over ``axis``; ties share the gradient equally."""
+        return _rd.Max.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
+
+    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Minimum over ``axis``; ties share the gradient equally."""
+        return _rd.Min.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
+
+    def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Population variance over ``axis`` (composed from mean)."""
+        mu = self.mean(axis=axis, keepdims=True)
+        d = self - mu
+        return (d * d).mean(axis=axis, keepdims=keepdims)
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Indices of the maxima (not differentiable)."""
+        out = self._data.argmax(axis=axis, keepdims=keepdims)
+        return Tensor._wrap(out, self._device)
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Indices of the minima (not differentiable)."""
+        out = self._data.argmin(axis=axis, keepdims=keepdims)
+        return Tensor._wrap(out, self._device)
+
+    def any(self) -> Tensor:
+        """True if any element is true (not differentiable)."""
+        return Tensor._wrap(self._data.any(), self._device)
+
+    def all(self) -> Tensor:
+        """True if all elements are true (not differentiable)."""
+        return Tensor._wrap(self._data.all(), self._device)
+
+    # ------------------------------------------------------------------ movement
+    def reshape(self, *shape: Any) -> Tensor:
+        """Reshape (one dimension may be -1)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        return _mv.Reshape.apply(self, shape=tuple(int(s) for s in shape))
+
+    def view(self, *shape: Any) -> Tensor:
+        """Alias of :meth:`reshape`."""
+        return self.reshape(*shape)
+
+    def flatten(self, start_axis: int = 0) -> Tensor:
+        """Merge dimensions from ``start_axis`` on into one."""
+        return self.reshape(*self.shape[:start_axis], -1)
+
+    def transpose(self, *axes: Any) -> Tensor:
+        """Permute axes (NumPy semantics: no axes reverses them)."""
+        if len(axes) == 1 and isinstance(axes[0], tuple | list):
+            axes = tuple(axes[0])
+        if not axes:
+            axes = tuple(range(self.ndim - 1, -1, -1))
+        return _mv.Transpose.apply(self, axes=_mv.norm_perm(axes, self.ndim))
+
+    def permute(self, *axes: Any) -> Tensor:
+        """Permute axes to the given order."""
+        return self.transpose(*axes)
+
+    def swapaxes(self, a: int, b: int) -> Tensor:
+        """Swap two axes."""
+        perm = list(range(self.ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.transpose(tuple(perm))
+
+    def expand(self, *shape: Any) -> Tensor:
+        """Broadcast to ``shape`` (-1 keeps a dimension)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        lead = len(shape) - self.ndim
+        full = tuple(
+            self.shape[i - lead] if (s == -1 and i >= lead) else int(s) for i, s in enumerate(shape)
+        )
+        return _mv.BroadcastTo.apply(self, shape=full)
+
+    def broadcast_to(self, shape: Sequence[int]) -> Tensor:
+        """Broadcast to ``shape`` (NumPy rules)."""
+        return _mv.BroadcastTo.apply(self, shape=tuple(int(s) for s in shape))
+
+    def squeeze(self, axis: int | None = None) -> Tensor:
+        """Remove size-1 dimensions (or only ``axis``)."""
+        if axis is None:
+            return self.reshape(*[s for s in self.shape if s != 1])
+        ax = axis % self.ndim
+        if self.shape[ax] != 1:
+            raise ValueError(f"squeeze: axis {axis} has size {self.shape[ax]}, not 1")
+        return self.reshape(*(self.shape[:ax] + self.shape[ax + 1 :]))
+
+    def unsqueeze(self, axis: int) -> Tensor:
+        """Insert a size-1 dimension at ``axis``."""
+        ax = axis % (self.ndim + 1) if axis < 0 else axis
+        return self.reshape(*(self.shape[:ax] + (1,) + self.shape[ax:]))
+
+    # ------------------------------------------------------------------ nn helpers
+    def softmax(self, axis: int = -1) -> Tensor:
+        """Softmax along ``axis`` (numerically stable)."""
+        return _nnf.Softmax.apply(self, axis=axis)
+
+    def log_softmax(self, axis: int = -1) -> Tensor:
+        """Log-softmax along ``axis`` (numerically stable)."""
+        return _nnf.LogSoftmax.apply(self, axis=axis)
+
+
+from . import _ops_elementwise as _ew  # noqa: E402
+from . import _ops_linalg as _la  # noqa: E402
+from . import _ops_movement as _mv  # noqa: E402
+from . import _ops_nn as _nnf  # noqa: E402
+from . import _ops_reduce as _rd  # noqa: E402

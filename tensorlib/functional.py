@@ -1,0 +1,182 @@
+"""Neural-network functions (``import tensorlib.functional as F``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _ops_elementwise as _ew
+from . import _ops_linalg as _la
+from . import _ops_movement as _mv
+from . import _ops_nn as _nn
+from ._random import Generator, default_generator
+from ._tensor import Tensor
+
+__all__ = [
+    "cross_entropy",
+    "dropout",
+    "embedding",
+    "gelu",
+    "layer_norm",
+    "linear",
+    "log_softmax",
+    "mse_loss",
+    "relu",
+    "sigmoid",
+    "softmax",
+    "tanh",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0)."""
+    return _ew.Relu.apply(x)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh approximation (as GPT-2 and ``torch.nn.GELU(approximate='tanh')``)."""
+    return _ew.Gelu.apply(x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """Logistic sigmoid, stable for large |x|."""
+    return _ew.Sigmoid.apply(x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    """Hyperbolic tangent."""
+    return _ew.Tanh.apply(x)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    """Softmax along ``axis`` (max-shifted, so it never overflows)."""
+    return _nn.Softmax.apply(x, axis=axis)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    """log(softmax(x)) computed stably along ``axis``."""
+    return _nn.LogSoftmax.apply(x, axis=axis)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` with weight of shape (out_features, in_features)."""
+    if bias is None:
+        return _la.Linear.apply(x, weight)
+    return _la.Linear.apply(x, weight, bias)
+
+
+def _check_reduction(fn: str, reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def cross_entropy(
+    logits: Tensor, target: Tensor | Any, reduction: str = "mean", ignore_index: int = -100
+) -> Tensor:
+    """Cross-entropy between (N, C) logits and (N,) integer class targets.
+
+    Args:
+        logits: unnormalized scores of shape (N, C).
+        target: class indices in [0, C) of shape (N,); ``ignore_index`` entries are skipped.
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
+        ignore_index: target value that contributes neither loss nor gradient.
+
+    Raises:
+        ValueError: on shape mismatches or (on the CPU) targets out of range.
+        TypeError: when targets are not integers.
+    """
+    _check_reduction("cross_entropy", reduction)
+    t = target._data if isinstance(target, Tensor) else target
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
+    if logits.ndim != 2:
+        raise ValueError(
+            f"cross_entropy: logits must have shape (N, C), got {logits.shape}; reshape "
+            f"(..., C) logits to (-1, C) and targets to (-1,)"
+        )
+    if not hasattr(t, "dtype"):
+        t = np.asarray(t)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {t.dtype}")
+    n, c = logits.shape
+    if tuple(t.shape) != (n,):
+        raise ValueError(
+            f"cross_entropy: target must have shape ({n},) to match logits {logits.shape}, "
+            f"got {tuple(t.shape)}"
+        )
+    if isinstance(t, np.ndarray) and n:
+        # Range check on the CPU only: on a GPU it would force a host sync every step.
+        bad = ((t < 0) | (t >= c)) & (t != ignore_index)
+        if bad.any():
+            first = int(t[bad][0])
+            raise ValueError(f"cross_entropy: target {first} is out of range for {c} classes")
+    return _nn.CrossEntropy.apply(logits, t, reduction=reduction, ignore_index=ignore_index)
+
+
+def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Tensor:  # noqa: A002
+    """Mean squared error (``reduction`` mean, sum or none)."""
+    _check_reduction("mse_loss", reduction)
+    tshape = tuple(getattr(target, "shape", ()))
+    if tshape and tshape != tuple(input.shape):
+        raise ValueError(
+            f"mse_loss: input shape {tuple(input.shape)} and target shape {tshape} differ"
+        )
+    d = input - target
+    sq = d * d
+    if reduction == "mean":
+        return sq.mean()
+    if reduction == "sum":
+        return sq.sum()
+    return sq
+
+
+def dropout(
+    x: Tensor, p: float = 0.5, training: bool = True, generator: Generator | None = None
+) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p) when training."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return x
+    gen = generator if generator is not None else default_generator
+    if p == 1.0:
+        return x * 0.0
+    keep = gen.random(x.shape, x.dtype, x.device) >= p
+    mask = keep.astype(x.dtype) * (1.0 / (1.0 - p))
+    return _ew.Mul.apply(x, mask)
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: tuple[int, ...] | int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Normalize over the trailing ``normalized_shape`` axes, then apply weight and bias."""
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if tuple(x.shape[x.ndim - len(ns) :]) != ns or len(ns) > x.ndim:
+        raise ValueError(
+            f"layer_norm: input of shape {x.shape} does not end with normalized_shape {ns}"
+        )
+    return _nn.LayerNormFn.apply(x, weight, bias, ndims=len(ns), eps=eps)
+
+
+def embedding(indices: Tensor | Any, weight: Tensor) -> Tensor:
+    """Rows of ``weight`` picked by integer ``indices`` (any shape); gradients add up."""
+    idx = indices._data if isinstance(indices, Tensor) else indices
+    if not hasattr(idx, "dtype"):
+        idx = np.asarray(idx)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"embedding: indices must be integers, got dtype {idx.dtype}")
+    if isinstance(idx, np.ndarray) and idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= weight.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise IndexError(
+                f"embedding: index {bad} is out of range for {weight.shape[0]} embeddings"
+            )
+    return _mv.Getitem.apply(weight, index=idx)

@@ -1,0 +1,280 @@
+"""``Module`` and ``Parameter``: the containers that models are built from."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._device import Device
+from .._tensor import Tensor
+
+__all__ = ["Module", "Parameter"]
+
+
+class Parameter(Tensor):
+    """A Tensor that a Module registers as trainable (``requires_grad=True`` by default)."""
+
+    __slots__ = ()
+
+    def __init__(self, data: Any, requires_grad: bool = True) -> None:
+        src = data._data if isinstance(data, Tensor) else data
+        super().__init__(src, dtype=getattr(src, "dtype", None), requires_grad=requires_grad)
+        if isinstance(data, Tensor):
+            # Keep the data where it is and do not copy: Parameter(t) wraps t's array.
+            self._data = data._data
+            self._device = data._device
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + super().__repr__()
+
+
+class Module:
+    """Base class of layers and models.
+
+    Assigning a :class:`Parameter` or ``Module`` as an attribute registers it; buffers
+    (non-trainable state saved in ``state_dict``) are registered with :meth:`register_buffer`.
+    Subclasses implement ``forward``; calling the module calls ``forward``.
+    """
+
+    training: bool
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    # ------------------------------------------------------------------ registration
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(
+                f"cannot assign {name!r} before Module.__init__() was called "
+                f"(call super().__init__() first in {type(self).__name__}.__init__)"
+            )
+        params, buffers, modules = self._parameters, self._buffers, self._modules
+        is_buffer = name in buffers
+        if isinstance(value, Parameter):
+            params[name] = value
+            buffers.pop(name, None)
+            modules.pop(name, None)
+        elif isinstance(value, Module):
+            modules[name] = value
+            params.pop(name, None)
+            buffers.pop(name, None)
+        elif is_buffer and (value is None or isinstance(value, Tensor)):
+            buffers[name] = value
+        elif name in params and value is None:
+            params[name] = None
+        else:
+            for table in (params, buffers, modules):
+                table.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
+        self.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            t = d.get(table)
+            if t is not None and name in t:
+                return t[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        for table in (self._parameters, self._buffers, self._modules):
+            if name in table:
+                del table[name]
+                return
+        object.__delattr__(self, name)
+
+    def register_buffer(self, name: str, value: Tensor | None) -> None:
+        """Register non-trainable state (saved in ``state_dict``, moved by ``to``)."""
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"buffer {name!r} must be a Tensor or None, got {type(value).__name__}")
+        self.__dict__.pop(name, None)
+        self._buffers[name] = value
+
+    def register_parameter(self, name: str, value: Parameter | None) -> None:
+        """Register a parameter under ``name`` (None registers an absent one)."""
+        if value is not None and not isinstance(value, Parameter):
+            raise TypeError(f"parameter {name!r} must be a Parameter, got {type(value).__name__}")
+        self.__dict__.pop(name, None)
+        self._parameters[name] = value
+
+    def add_module(self, name: str, module: Module | None) -> None:
+        """Register a child module under ``name``."""
+        self.__dict__.pop(name, None)
+        self._modules[name] = module
+
+    # ------------------------------------------------------------------ traversal
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        """Yield (qualified name, module) for this module and every descendant, once each."""
+        seen: set[int] = set()
+        stack: list[tuple[str, Module]] = [(prefix, self)]
+        while stack:
+            name, mod = stack.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            yield name, mod
+            children = [
+                (f"{name}.{k}" if name else k, m) for k, m in mod._modules.items() if m is not None
+            ]
+            stack.extend(reversed(children))
+
+    def modules(self) -> Iterator[Module]:
+        """Yield every module in the tree (self first)."""
+        for _, m in self.named_modules():
+            yield m
+
+    def children(self) -> Iterator[Module]:
+        """Yield direct child modules."""
+        for m in self._modules.values():
+            if m is not None:
+                yield m
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Yield (qualified name, parameter) in registration order; shared ones once."""
+        seen: set[int] = set()
+        for mname, mod in self.named_modules(prefix):
+            for pname, p in mod._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield (f"{mname}.{pname}" if mname else pname), p
+
+    def parameters(self) -> Iterator[Parameter]:
+        """Yield every parameter once."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+        """Yield (qualified name, buffer)."""
+        seen: set[int] = set()
+        for mname, mod in self.named_modules(prefix):
+            for bname, b in mod._buffers.items():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                yield (f"{mname}.{bname}" if mname else bname), b
+
+    def buffers(self) -> Iterator[Tensor]:
+        """Yield every buffer once."""
+        for _, b in self.named_buffers():
+            yield b
+
+    # ------------------------------------------------------------------ modes and devices
+    def train(self, mode: bool = True) -> Module:
+        """Set training mode (affects Dropout and similar layers) on the whole tree."""
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> Module:
+        """Set evaluation mode."""
+        return self.train(False)
+
+    def to(self, device: str | Device | None = None, dtype: Any = None) -> Module:
+        """Move (and/or cast) every parameter and buffer in place; identities are kept."""
+        for t in list(self.parameters()) + list(self.buffers()):
+            moved = t.detach().to(device, dtype=dtype) if (device or dtype) else t
+            t.data = moved._data
+            if t._grad is not None:
+                t._grad = t._grad.detach().to(device, dtype=dtype)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (to None by default, or to zeros in place)."""
+        for p in self.parameters():
+            if p._grad is None:
+                continue
+            if set_to_none:
+                p._grad = None
+            else:
+                p._grad._data[...] = 0
+
+    def apply(self, fn: Callable[[Module], None]) -> Module:
+        """Call ``fn(module)`` on every module in the tree (children first), then return self."""
+        for m in reversed(list(self.modules())):
+            fn(m)
+        return self
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> OrderedDict[str, Tensor]:
+        """Parameters and buffers by qualified name (tensors sharing this module's data)."""
+        out: OrderedDict[str, Tensor] = OrderedDict()
+        for mname, mod in self.named_modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        out[f"{mname}.{name}" if mname else name] = t.detach()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:
+        """Copy values into parameters and buffers in place (casting dtype, keeping device).
+
+        Args:
+            state_dict: name -> Tensor or array, as produced by :meth:`state_dict`.
+            strict: require exactly the same names; shapes must always match.
+
+        Returns:
+            The names that were missing from ``state_dict`` (always empty when strict).
+
+        Raises:
+            KeyError: with strict, listing missing and unexpected keys.
+            ValueError: listing every shape mismatch.
+        """
+        own = self.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing keys: {missing}")
+            if unexpected:
+                parts.append(f"unexpected keys: {unexpected}")
+            raise KeyError(f"load_state_dict for {type(self).__name__}: " + "; ".join(parts))
+        mismatched = []
+        for k, t in own.items():
+            if k not in state_dict:
+                continue
+            v = state_dict[k]
+            shape = tuple(getattr(v, "shape", ()))
+            if shape != t.shape:
+                mismatched.append(f"{k}: checkpoint {shape} vs model {t.shape}")
+        if mismatched:
+            raise ValueError(
+                f"load_state_dict for {type(self).__name__}: shape mismatch for "
+                + "; ".join(mismatched)
+            )
+        for k, t in own.items():
+            if k not in state_dict:
+                continue
+            v = state_dict[k]
+            src = v.detach().to(t.device, dtype=t.dtype) if isinstance(v, Tensor) else Tensor(
+                v, dtype=t.dtype, device=t.device
+            )
+            t._data[...] = src._data
+        return missing
+
+    # ------------------------------------------------------------------ calling
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        """Extra text shown in ``repr`` (layer sizes and options)."""
+        return ""
+
+    def __repr__(self) -> str:
+        lines = []
+        for name, m in self._modules.items():
+            sub = repr(m).replace("\n", "\n  ")
+            lines.append(f"  ({name}): {sub}")
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not lines:
+            return head + ")"
+        return head + "\n" + "\n".join(lines) + "\n)"
