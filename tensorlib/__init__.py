@@ -4,7 +4,7 @@
 ``cuda12`` or ``cuda13`` extra).
 """
 
-from . import _autograd  # noqa: I001  (must load before _tensor: Function is defined there)
+from . import _autograd  # noqa: F401, I001  (must load before _tensor: Function is defined there)
 from ._autograd import (
     Function,
     enable_grad,

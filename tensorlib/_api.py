@@ -60,12 +60,12 @@ def tanh(x: Tensor) -> Tensor:
     return _t(x).tanh()
 
 
-def abs(x: Tensor) -> Tensor:  # noqa: A001  (NumPy's name)
+def abs(x: Tensor) -> Tensor:
     """Elementwise absolute value."""
     return _t(x).abs()
 
 
-def clip(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:  # noqa: A002
+def clip(x: Tensor, min: float | None = None, max: float | None = None) -> Tensor:
     """Clamp to [min, max]."""
     return _t(x).clip(min, max)
 
@@ -86,7 +86,7 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
     return _ew.Where.apply(cond, a, b)
 
 
-def sum(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def sum(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Sum over ``axis``."""
     return _t(x).sum(axis, keepdims)
 
@@ -96,12 +96,12 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
     return _t(x).mean(axis, keepdims)
 
 
-def max(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def max(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Maximum over ``axis``."""
     return _t(x).max(axis, keepdims)
 
 
-def min(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+def min(x: Tensor, axis: Any = None, keepdims: bool = False) -> Tensor:
     """Minimum over ``axis``."""
     return _t(x).min(axis, keepdims)
 

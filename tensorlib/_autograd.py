@@ -164,6 +164,13 @@ class Function:
                 delattr(self, name)
             except AttributeError:
                 pass
+        # Subclasses without __slots__ (e.g. users' custom Functions) save on the instance dict.
+        saved = getattr(self, "__dict__", None)
+        if saved:
+            saved.clear()
+        # Drop the edges too: they hold the input Tensors, whose arrays would otherwise stay
+        # alive as long as the output does (every activation of a model while `loss` lives).
+        self.inputs = ()
         self.freed = True
 
     @classmethod
@@ -201,7 +208,9 @@ class Function:
         t._grad = None
         t._hooks = None
         if requires_grad and _state.enabled:
-            ctx.inputs = tuple(a if isinstance(a, Tensor) and a.requires_grad else None for a in args)
+            ctx.inputs = tuple(
+                a if isinstance(a, Tensor) and a.requires_grad else None for a in args
+            )
             ctx.freed = False
             t._ctx = ctx
             t.requires_grad = True
@@ -215,9 +224,7 @@ def _unbroadcast(fn: Function, grad: Any, shape: tuple[int, ...]) -> Any:
     """Sum ``grad`` down to ``shape`` (undoing NumPy broadcasting)."""
     gshape = grad.shape
     lead = len(gshape) - len(shape)
-    if lead < 0 or any(
-        s != 1 and s != gs for s, gs in zip(shape, gshape[lead:], strict=True)
-    ):
+    if lead < 0 or any(s != 1 and s != gs for s, gs in zip(shape, gshape[lead:], strict=True)):
         raise RuntimeError(
             f"Function `{type(fn).__name__}` returned a gradient of shape {tuple(gshape)} "
             f"for an input of shape {tuple(shape)} (this is a bug in that function)"
@@ -310,36 +317,55 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
     ready = [root_fn]
     while ready:
         fn = ready.pop()
-        g, g_owned = grads.pop(id(fn))
-        result = fn.backward(g)
-        if not isinstance(result, tuple):
-            result = (result,)
-        if not retain_graph:
-            fn.release()
-        inputs = fn.inputs
+        inputs = fn.inputs  # read before release() drops them
+        entry = grads.pop(id(fn), None)
+        if entry is None:
+            # No gradient reached this node (its consumers returned None for it). Its inputs
+            # still count this edge in `deps`, so pass None on: otherwise a leaf also reached
+            # through another path would never reach 0 and never get its .grad or hooks.
+            result: Any = (None,) * len(inputs)
+            g, g_owned = None, False
+        else:
+            g, g_owned = entry
+            result = fn.backward(g)
+            if not isinstance(result, tuple):
+                result = (result,)
+            if not retain_graph:
+                fn.release()
         if len(result) != len(inputs):
             raise RuntimeError(
                 f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
                 f"{len(inputs)} inputs (this is a bug in that function)"
             )
+        # Ownership: a gradient may be accumulated into in place (or become a leaf's .grad
+        # without a copy) only if nothing else can see it. An array returned for two inputs
+        # (Add returns g twice) is shared by both; g itself is shared if a view of it escaped.
         any_view = False
-        for r in result:
-            if r is not None and r is not g and not _owns(r):
+        shared: set[int] = set()
+        seen_ids: set[int] = set()
+        for t, r in zip(inputs, result, strict=True):
+            if t is None or r is None:
+                continue
+            rid = id(r)
+            if rid in seen_ids:
+                shared.add(rid)
+            seen_ids.add(rid)
+            if r is not g and not _owns(r):
                 any_view = True
-        handed: list[int] = []
         for t, gi in zip(inputs, result, strict=True):
             if t is None:
                 continue
-            node: Any = t._ctx if t._ctx is not None else t
+            node = t._ctx if t._ctx is not None else t
             key = id(node)
             if gi is None:
                 owned = False
             else:
-                if gi is g:
-                    owned = g_owned and not any_view and id(gi) not in handed
+                if id(gi) in shared:
+                    owned = False
+                elif gi is g:
+                    owned = g_owned and not any_view
                 else:
-                    owned = id(gi) not in handed and _owns(gi)
-                handed.append(id(gi))
+                    owned = _owns(gi)
                 if isinstance(gi, np.generic):
                     gi = np.asarray(gi)
                     owned = True
@@ -364,9 +390,7 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
             if remaining == 0:
                 entry = grads.get(key)
                 if t._ctx is not None:
-                    if entry is None:
-                        continue  # no gradient flows into this branch
-                    ready.append(t._ctx)
+                    ready.append(t._ctx)  # with or without a gradient (see above)
                 else:
                     if entry is None:
                         continue

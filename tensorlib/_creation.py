@@ -29,12 +29,11 @@ __all__ = [
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy")
+    # NumPy scalars count as arrays so that np.float64(1.0) keeps its dtype.
+    return isinstance(x, np.ndarray | np.generic) or type(x).__module__.startswith("cupy")
 
 
-def _to_array(
-    data: Any, dtype: Any, device: str | Device | None, copy: bool
-) -> tuple[Any, Device]:
+def _to_array(data: Any, dtype: Any, device: str | Device | None, copy: bool) -> tuple[Any, Device]:
     """Build an array for ``data`` on ``device`` with ``dtype`` (inferring both when None)."""
     if isinstance(data, Tensor):
         data = data._data
@@ -114,7 +113,9 @@ def _shape(shape: Sequence[Any]) -> tuple[int, ...]:
     return out
 
 
-def _make(fill: Any, shape: tuple[int, ...], dtype: Any, device: Any, requires_grad: bool) -> Tensor:
+def _make(
+    fill: Any, shape: tuple[int, ...], dtype: Any, device: Any, requires_grad: bool
+) -> Tensor:
     dt = normalize_dtype(dtype) if dtype is not None else float32
     dev = Device(device) if device is not None else CPU
     xp = dev.xp
@@ -126,7 +127,9 @@ def _make(fill: Any, shape: tuple[int, ...], dtype: Any, device: Any, requires_g
     return t
 
 
-def zeros(*shape: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False) -> Tensor:
+def zeros(
+    *shape: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False
+) -> Tensor:
     """A tensor of zeros (float32 unless ``dtype`` is given)."""
     return _make(0, _shape(shape), dtype, device, requires_grad)
 
@@ -137,7 +140,10 @@ def ones(*shape: Any, dtype: Any = None, device: Any = None, requires_grad: bool
 
 
 def full(
-    shape: Sequence[int], fill_value: Any, dtype: Any = None, device: Any = None,
+    shape: Sequence[int],
+    fill_value: Any,
+    dtype: Any = None,
+    device: Any = None,
     requires_grad: bool = False,
 ) -> Tensor:
     """A tensor filled with ``fill_value``; dtype inferred from it when not given."""
@@ -162,7 +168,10 @@ def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
 
 
 def arange(
-    start: float, stop: float | None = None, step: float = 1, dtype: Any = None,
+    start: float,
+    stop: float | None = None,
+    step: float = 1,
+    dtype: Any = None,
     device: Any = None,
 ) -> Tensor:
     """Evenly spaced values in [start, stop) (int64 for integer arguments, else float32)."""
@@ -179,7 +188,11 @@ def arange(
 
 
 def _random(
-    kind: str, shape: tuple[int, ...], dtype: Any, device: Any, requires_grad: bool,
+    kind: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    device: Any,
+    requires_grad: bool,
     generator: Generator | None,
 ) -> Tensor:
     dt = normalize_dtype(dtype) if dtype is not None else float32
@@ -197,7 +210,10 @@ def _random(
 
 
 def rand(
-    *shape: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+    *shape: Any,
+    dtype: Any = None,
+    device: Any = None,
+    requires_grad: bool = False,
     generator: Generator | None = None,
 ) -> Tensor:
     """Uniform [0, 1) samples, reproducible from ``generator`` (or the default one)."""
@@ -205,7 +221,10 @@ def rand(
 
 
 def randn(
-    *shape: Any, dtype: Any = None, device: Any = None, requires_grad: bool = False,
+    *shape: Any,
+    dtype: Any = None,
+    device: Any = None,
+    requires_grad: bool = False,
     generator: Generator | None = None,
 ) -> Tensor:
     """Standard normal samples, reproducible from ``generator`` (or the default one)."""

@@ -137,7 +137,7 @@ class Device:
         elif name == "cuda" or name.startswith("cuda:"):
             kind = "cuda"
             tail = name[5:] if name.startswith("cuda:") else ""
-            if tail == "":
+            if name == "cuda":  # only bare "cuda" means GPU 0; "cuda:" is a malformed spec
                 index = 0
             elif tail.isdigit():
                 index = int(tail)

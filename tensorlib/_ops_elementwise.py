@@ -106,7 +106,9 @@ class Pow(Function):
                 ga = g * (b * a ** (b - 1))
         if self.inputs[1] is not None:
             xp = xp_of(self.out)
-            gb = g * self.out * xp.log(a)
+            # d(a**b)/db = a**b * log(a) is 0 * -inf = nan at a == 0, where the limit (b > 0)
+            # is 0, as torch returns: use log(1) there so a zero base does not poison gb.
+            gb = g * self.out * xp.log(xp.where(xp.asarray(a) == 0, 1, a))
         return ga, gb
 
 
@@ -241,13 +243,18 @@ class Gelu(Function):
 
     def forward(self, a: Any) -> Any:
         xp = xp_of(a)
-        t = xp.tanh(_GELU_C * (a + _GELU_K * a * a * a))
+        # tanh is exactly +-1 (even in float64) once |a| > 10, so clipping the polynomial's
+        # input there changes no result but keeps float16 from overflowing (a**3 > 65504 for
+        # |a| > 40, and inf * 0 = nan in backward for |a| > 256).
+        u = xp.clip(a, -10, 10)
+        t = xp.tanh(_GELU_C * (u + _GELU_K * u * u * u))
         self.a, self.t = a, t
         return 0.5 * a * (1 + t)
 
     def backward(self, g: Any) -> Any:
         a, t = self.a, self.t
-        du = _GELU_C * (1 + 3 * _GELU_K * a * a)
+        u = xp_of(a).clip(a, -10, 10)  # see forward
+        du = _GELU_C * (1 + 3 * _GELU_K * u * u)
         return g * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * du)
 
 
@@ -291,8 +298,10 @@ class Where(Function):
 
     def forward(self, cond: Any, a: Any, b: Any) -> Any:
         if getattr(cond, "dtype", None) != np.bool_:
-            raise TypeError(f"where: condition must be a bool array, got {type(cond).__name__} "
-                            f"of dtype {getattr(cond, 'dtype', None)}")
+            raise TypeError(
+                f"where: condition must be a bool array, got {type(cond).__name__} "
+                f"of dtype {getattr(cond, 'dtype', None)}"
+            )
         self.cond = cond
         return xp_of(cond).where(cond, a, b)
 

@@ -30,9 +30,12 @@ class Matmul(Function):
         a2 = a.reshape(1, -1) if a.ndim == 1 else a
         b2 = b.reshape(-1, 1) if b.ndim == 1 else b
         g2 = g
-        if a.ndim == 1:
+        if a.ndim == 1 and b.ndim == 1:
+            # Vector @ vector gives a 0-d g: it has no axis for the indexing below to extend.
+            g2 = g2.reshape(1, 1)
+        elif a.ndim == 1:
             g2 = g2[..., None, :]
-        if b.ndim == 1:
+        elif b.ndim == 1:
             g2 = g2[..., None]
         ga = gb = None
         if self.inputs[0] is not None:
@@ -60,9 +63,7 @@ class Linear(Function):
                 f"of shape {tuple(x.shape)}"
             )
         if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(
-                f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}"
-            )
+            raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
         self.x, self.w = x, w
         out = x @ w.T
         if b is not None:

@@ -17,8 +17,8 @@ __all__ = [
     "Reshape",
     "Stack",
     "Transpose",
-    "normalize_index",
     "norm_perm",
+    "normalize_index",
 ]
 
 

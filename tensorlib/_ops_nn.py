@@ -80,12 +80,9 @@ class CrossEntropy(Function):
         grad = self.e / self.sum_e
         n = grad.shape[0]
         grad[xp.arange(n), self.target] -= 1
-        if self.reduction == "none":
-            scale = xp.where(self.valid, g, 0)[:, None]
-        else:
-            scale = xp.where(self.valid, g, 0)[:, None]
-            if self.reduction == "mean":
-                scale = scale / self.count.astype(grad.dtype)
+        scale = xp.where(self.valid, g, 0)[:, None]
+        if self.count is not None:  # reduction="mean"
+            scale = scale / self.count.astype(grad.dtype)
         grad *= scale.astype(grad.dtype, copy=False)
         return grad, None
 
@@ -95,7 +92,9 @@ class LayerNormFn(Function):
 
     __slots__ = ("rstd", "shape", "w", "xhat")
 
-    def forward(self, x: Any, w: Any = None, b: Any = None, ndims: int = 1, eps: float = 1e-5) -> Any:
+    def forward(
+        self, x: Any, w: Any = None, b: Any = None, ndims: int = 1, eps: float = 1e-5
+    ) -> Any:
         xp = xp_of(x)
         norm_shape = x.shape[x.ndim - ndims :]
         d = 1

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._device import Device
+from ._dtype import SUPPORTED
 from ._tensor import Tensor
 
 __all__ = ["load", "save"]
@@ -30,7 +31,16 @@ def _encode(obj: Any, arrays: dict[str, np.ndarray[Any, Any]], path: str) -> Any
         obj = obj.get()
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
-            raise TypeError(f"save: {path} is an object array, which cannot be saved without pickle")
+            raise TypeError(
+                f"save: {path} is an object array, which cannot be saved without pickle"
+            )
+        if obj.dtype not in SUPPORTED:
+            # load() returns arrays as Tensors, which cannot hold this dtype: refuse it now
+            # rather than hand back a Tensor that breaks later.
+            raise TypeError(
+                f"save: {path} has dtype {obj.dtype}, which a Tensor cannot hold (supported: "
+                "float16, float32, float64, int32, int64, bool); convert it with .astype() first"
+            )
         key = f"a{len(arrays)}"
         arrays[key] = obj
         return {"$array": key}
@@ -70,6 +80,20 @@ def _decode(node: Any, files: Any, device: Device | None) -> Any:
     return node
 
 
+def _umask() -> int:
+    # Read the umask without changing it (os.umask would, for a moment, for every thread).
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Save a state dict (or any nesting of dicts/lists of tensors, arrays and scalars).
 
@@ -87,9 +111,11 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **{_MANIFEST: blob}, **arrays)
+            np.savez(f, **{_MANIFEST: blob}, **arrays)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates the file 0600; give it the mode a plain open() would (umask applies).
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,7 +145,7 @@ class Tensor:
     @property
     def dtype(self) -> np.dtype[Any]:
         """The element dtype (a NumPy dtype)."""
-        return self._data.dtype  # type: ignore[no-any-return]
+        return self._data.dtype
 
     @property
     def device(self) -> Device:
@@ -170,8 +171,8 @@ class Tensor:
     def numpy(self) -> np.ndarray[Any, Any]:
         """Return the data as a NumPy array (shares memory on the CPU; copies from a GPU)."""
         if self._device is CPU:
-            return self._data  # type: ignore[no-any-return]
-        return self._data.get()  # type: ignore[no-any-return]
+            return self._data
+        return self._data.get()
 
     def item(self) -> Scalar:
         """Return the single element as a Python scalar."""
@@ -179,7 +180,7 @@ class Tensor:
             raise ValueError(
                 f"item(): only tensors with one element can be converted, got shape {self.shape}"
             )
-        return self._data.reshape(()).item()  # type: ignore[no-any-return]
+        return self._data.reshape(()).item()
 
     def tolist(self) -> Any:
         """Return the data as (nested) Python lists."""
@@ -259,7 +260,7 @@ class Tensor:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """DLPack device tuple of the data."""
-        return self._data.__dlpack_device__()  # type: ignore[no-any-return]
+        return self._data.__dlpack_device__()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         arr = self.numpy()
@@ -401,7 +402,7 @@ class Tensor:
             )
         return bool(self._data.reshape(()).item())
 
-    def __float__(self) -> float:
+    def __float__(self) -> builtins.float:
         return float(self.item())
 
     def __int__(self) -> int:

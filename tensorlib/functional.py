@@ -100,7 +100,9 @@ def cross_entropy(
     if not hasattr(t, "dtype"):
         t = np.asarray(t)
     if t.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {t.dtype}")
+        raise TypeError(
+            f"cross_entropy: target must hold integer class indices, got dtype {t.dtype}"
+        )
     n, c = logits.shape
     if tuple(t.shape) != (n,):
         raise ValueError(
@@ -116,7 +118,7 @@ def cross_entropy(
     return _nn.CrossEntropy.apply(logits, t, reduction=reduction, ignore_index=ignore_index)
 
 
-def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Tensor:  # noqa: A002
+def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Tensor:
     """Mean squared error (``reduction`` mean, sum or none)."""
     _check_reduction("mse_loss", reduction)
     tshape = tuple(getattr(target, "shape", ()))

@@ -212,10 +212,10 @@ class Sequential(Module):
             for name, m in modules[0].items():
                 self.add_module(name, m)
         else:
-            for i, m in enumerate(modules):
-                if not isinstance(m, Module):
-                    raise TypeError(f"Sequential: item {i} is a {type(m).__name__}, not a Module")
-                self.add_module(str(i), m)
+            for i, mod in enumerate(modules):
+                if not isinstance(mod, Module):
+                    raise TypeError(f"Sequential: item {i} is a {type(mod).__name__}, not a Module")
+                self.add_module(str(i), mod)
 
     def forward(self, x: Any) -> Any:
         for m in self._modules.values():
@@ -224,7 +224,7 @@ class Sequential(Module):
 
     def __getitem__(self, i: int) -> Module:
         mods = list(self._modules.values())
-        return mods[i]  # type: ignore[return-value]
+        return mods[i]
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -252,7 +252,7 @@ class ModuleList(Module):
         return self
 
     def __getitem__(self, i: int) -> Module:
-        return list(self._modules.values())[i]  # type: ignore[return-value]
+        return list(self._modules.values())[i]
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._device import Device
+from .._dtype import is_floating
 from .._tensor import Tensor
 
 __all__ = ["Module", "Parameter"]
@@ -175,13 +176,26 @@ class Module:
         """Set evaluation mode."""
         return self.train(False)
 
-    def to(self, device: str | Device | None = None, dtype: Any = None) -> Module:
-        """Move (and/or cast) every parameter and buffer in place; identities are kept."""
+    def to(self, device: str | Device | Any = None, dtype: Any = None) -> Module:
+        """Move (and/or cast) every parameter and buffer in place; identities are kept.
+
+        ``device`` may also be a dtype (``model.to(tensorlib.float64)``), as in ``Tensor.to``.
+        Only floating-point parameters and buffers are cast.
+        """
+        if device is not None and not (
+            isinstance(device, Device)
+            or (isinstance(device, str) and (device == "cpu" or device.startswith("cuda")))
+        ):
+            device, dtype = None, device  # a dtype given positionally: cast it like dtype=
         for t in list(self.parameters()) + list(self.buffers()):
-            moved = t.detach().to(device, dtype=dtype) if (device or dtype) else t
-            t.data = moved._data
+            # Only floating tensors are cast (as in PyTorch): an int64 index or counter buffer
+            # must stay integral. `is not None`: NumPy 1.x dtypes are falsy (len() == 0).
+            dt = dtype if dtype is not None and is_floating(t.dtype) else None
+            if device is None and dt is None:
+                continue
+            t.data = t.detach().to(device, dtype=dt)._data
             if t._grad is not None:
-                t._grad = t._grad.detach().to(device, dtype=dtype)
+                t._grad = t._grad.detach().to(device, dtype=dt)
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -252,8 +266,10 @@ class Module:
             if k not in state_dict:
                 continue
             v = state_dict[k]
-            src = v.detach().to(t.device, dtype=t.dtype) if isinstance(v, Tensor) else Tensor(
-                v, dtype=t.dtype, device=t.device
+            src = (
+                v.detach().to(t.device, dtype=t.dtype)
+                if isinstance(v, Tensor)
+                else Tensor(v, dtype=t.dtype, device=t.device)
             )
             t._data[...] = src._data
         return missing

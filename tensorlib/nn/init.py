@@ -16,7 +16,9 @@ def _fill(t: Tensor, host: object) -> Tensor:
     return t
 
 
-def uniform_(t: Tensor, a: float = 0.0, b: float = 1.0, generator: Generator | None = None) -> Tensor:
+def uniform_(
+    t: Tensor, a: float = 0.0, b: float = 1.0, generator: Generator | None = None
+) -> Tensor:
     """Fill ``t`` with U(a, b) samples."""
     g = generator or default_generator
     return _fill(t, g.rng.uniform(a, b, size=t.shape))

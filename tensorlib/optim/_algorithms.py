@@ -130,7 +130,7 @@ class Adam(Optimizer):
                 v += (1 - b2) * (g * g)
                 bc1 = 1 - b1**t
                 bc2 = 1 - b2**t
-                denom = (v ** 0.5) * (1 / math.sqrt(bc2))
+                denom = (v**0.5) * (1 / math.sqrt(bc2))
                 denom += eps
                 xp_data -= (lr / bc1) * (m / denom)
 

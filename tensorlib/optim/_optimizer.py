@@ -89,7 +89,12 @@ class Optimizer:
         for g in self.param_groups:
             for p in g["params"]:
                 if p in self.state:
-                    state[index[id(p)]] = dict(self.state[p])
+                    # Copy the arrays: `step` is an int copied by value, so live arrays would
+                    # pair step t with moments that later steps keep updating in place.
+                    state[index[id(p)]] = {
+                        k: v.copy() if hasattr(v, "shape") and hasattr(v, "copy") else v
+                        for k, v in self.state[p].items()
+                    }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -123,8 +128,10 @@ class Optimizer:
             p = by_index[key]
             converted: dict[str, Any] = {}
             for name, value in entry.items():
-                if isinstance(value, Tensor) or hasattr(value, "__array_interface__") or hasattr(
-                    value, "__cuda_array_interface__"
+                if (
+                    isinstance(value, Tensor)
+                    or hasattr(value, "__array_interface__")
+                    or hasattr(value, "__cuda_array_interface__")
                 ):
                     arr = value if isinstance(value, Tensor) else Tensor(value)
                     if arr.ndim and arr.shape != p.shape:

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts and CLIs that measure speed side by side with peers (never timed tests)."""

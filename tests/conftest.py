@@ -1,0 +1,52 @@
+"""Shared fixtures: the devices to test on, with CUDA skipped (with its reason) when absent."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+import tensorlib as tl
+
+# Hypothesis: deterministic in CI so a red run can be reproduced, and bounded in time.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        deadline=None,
+        max_examples=25,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.register_profile("dev", deadline=None, max_examples=25)
+    settings.load_profile("ci" if os.environ.get("CI") else "dev")
+except ImportError:  # pragma: no cover - hypothesis is in the dev extra
+    pass
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests with the precise reason CUDA is unusable here."""
+    reason = tl.cuda_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"no usable CUDA GPU: {reason}")
+    count = 0
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+            count += 1
+    config.stash[_GPU_SKIPS] = (count, reason)
+
+
+_GPU_SKIPS = pytest.StashKey[tuple[int, str]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line for all skipped GPU tests instead of one per test."""
+    count, reason = config.stash.get(_GPU_SKIPS, (0, ""))
+    if count:
+        terminalreporter.write_line(
+            f"{count} gpu-marked tests skipped: no usable CUDA GPU: {reason}"
+        )
