@@ -118,7 +118,7 @@ def build_torch_step(
     return step
 
 
-def op_chain(n_ops: int, device: str, torch: Any) -> dict[str, float]:
+def op_chain(n_ops: int, device: str, torch: Any, rounds: int = 15) -> dict[str, float]:
     """Microseconds per tiny add, forward only and forward+backward, for both libraries."""
     res: dict[str, float] = {}
     a = tl.ones(4, device=device)
@@ -137,9 +137,7 @@ def op_chain(n_ops: int, device: str, torch: Any) -> dict[str, float]:
             x = x + b
         x.sum().backward()
 
-    sync = lambda: _sync(device, torch)  # noqa: E731
-    res["tensorlib_fwd_us"] = statistics.median(_time(tl_fwd, 20, sync)) / n_ops * 1e6
-    res["tensorlib_fwd_bwd_us"] = statistics.median(_time(tl_bwd, 20, sync)) / n_ops * 1e6
+    fns: dict[str, Callable[[], None]] = {"tensorlib_fwd": tl_fwd, "tensorlib_fwd_bwd": tl_bwd}
     if torch is not None:
         dev = "cuda" if device.startswith("cuda") else "cpu"
         ta = torch.ones(4, device=dev)
@@ -157,8 +155,14 @@ def op_chain(n_ops: int, device: str, torch: Any) -> dict[str, float]:
                 x = x + tb
             x.sum().backward()
 
-        res["torch_fwd_us"] = statistics.median(_time(t_fwd, 20, sync)) / n_ops * 1e6
-        res["torch_fwd_bwd_us"] = statistics.median(_time(t_bwd, 20, sync)) / n_ops * 1e6
+        fns.update({"torch_fwd": t_fwd, "torch_fwd_bwd": t_bwd})
+    sync = lambda: _sync(device, torch)  # noqa: E731
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):  # alternate the libraries so machine noise hits both alike
+        for name, fn in fns.items():
+            times[name].extend(_time(fn, 2, sync))
+    for name, ts in times.items():
+        res[f"{name}_us"] = statistics.median(ts) / n_ops * 1e6
     return res
 
 

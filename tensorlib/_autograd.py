@@ -159,11 +159,13 @@ class Function:
 
     def release(self) -> None:
         """Drop saved intermediates (called by the engine once backward passed this node)."""
-        for name in self._saved_names:
-            try:
-                delattr(self, name)
-            except AttributeError:
-                pass
+        names = self._saved_names
+        if names:
+            for name in names:
+                try:
+                    delattr(self, name)
+                except AttributeError:
+                    pass
         # Subclasses without __slots__ (e.g. users' custom Functions) save on the instance dict.
         saved = getattr(self, "__dict__", None)
         if saved:
@@ -177,6 +179,7 @@ class Function:
     def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
         """Run the primitive on Tensors and constants; record it when a gradient is needed."""
         raw = []
+        ins: list[Tensor | None] = []
         requires_grad = False
         dev = None
         for a in args:
@@ -184,6 +187,9 @@ class Function:
                 raw.append(a._data)
                 if a.requires_grad:
                     requires_grad = True
+                    ins.append(a)
+                else:
+                    ins.append(None)
                 if dev is None:
                     dev = a._device
                 elif a._device is not dev:
@@ -193,6 +199,7 @@ class Function:
                     )
             else:
                 raw.append(a)
+                ins.append(None)
         ctx = object.__new__(cls)
         try:
             out = ctx.forward(*raw, **kwargs)
@@ -208,9 +215,7 @@ class Function:
         t._grad = None
         t._hooks = None
         if requires_grad and _state.enabled:
-            ctx.inputs = tuple(
-                a if isinstance(a, Tensor) and a.requires_grad else None for a in args
-            )
+            ctx.inputs = tuple(ins)
             ctx.freed = False
             t._ctx = ctx
             t.requires_grad = True
@@ -340,32 +345,35 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
         # Ownership: a gradient may be accumulated into in place (or become a leaf's .grad
         # without a copy) only if nothing else can see it. An array returned for two inputs
         # (Add returns g twice) is shared by both; g itself is shared if a view of it escaped.
+        shared: set[int] | None = None
         any_view = False
-        shared: set[int] = set()
-        seen_ids: set[int] = set()
-        for t, r in zip(inputs, result, strict=True):
-            if t is None or r is None:
-                continue
-            rid = id(r)
-            if rid in seen_ids:
-                shared.add(rid)
-            seen_ids.add(rid)
-            if r is not g and not _owns(r):
-                any_view = True
+        if len(result) > 1:
+            seen_ids: set[int] = set()
+            for t, r in zip(inputs, result, strict=True):
+                if t is None or r is None:
+                    continue
+                rid = id(r)
+                if rid in seen_ids:
+                    if shared is None:
+                        shared = set()
+                    shared.add(rid)
+                seen_ids.add(rid)
+                if r is not g and r.base is not None:
+                    any_view = True
         for t, gi in zip(inputs, result, strict=True):
             if t is None:
                 continue
-            node = t._ctx if t._ctx is not None else t
-            key = id(node)
+            tctx = t._ctx
+            key = id(tctx) if tctx is not None else id(t)
             if gi is None:
                 owned = False
             else:
-                if id(gi) in shared:
+                if shared is not None and id(gi) in shared:
                     owned = False
                 elif gi is g:
                     owned = g_owned and not any_view
                 else:
-                    owned = _owns(gi)
+                    owned = getattr(gi, "base", None) is None
                 if isinstance(gi, np.generic):
                     gi = np.asarray(gi)
                     owned = True
@@ -388,10 +396,10 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
             remaining = deps[key] - 1
             deps[key] = remaining
             if remaining == 0:
-                entry = grads.get(key)
-                if t._ctx is not None:
-                    ready.append(t._ctx)  # with or without a gradient (see above)
+                if tctx is not None:
+                    ready.append(tctx)  # with or without a gradient (see above)
                 else:
+                    entry = grads.get(key)
                     if entry is None:
                         continue
                     del grads[key]
