@@ -36,15 +36,22 @@ def norm_perm(axes: Sequence[int], ndim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def normalize_index(index: Any) -> Any:
-    """Replace Tensors inside an index by their arrays; lists become integer/bool arrays."""
+def normalize_index(index: Any, device: Any = None) -> Any:
+    """Replace Tensors inside an index by their arrays; lists become integer/bool arrays.
+
+    With a CUDA ``device``, host index arrays are copied to it so CuPy can use them.
+    """
     from ._tensor import Tensor
+
+    to_gpu = device is not None and device.type == "cuda"
 
     def one(i: Any) -> Any:
         if isinstance(i, Tensor):
-            return i._data
-        if isinstance(i, list):
-            return np.asarray(i)
+            i = i._data
+        elif isinstance(i, list):
+            i = np.asarray(i)
+        if to_gpu and isinstance(i, np.ndarray):
+            i = device.xp.asarray(i)
         return i
 
     if isinstance(index, tuple):

@@ -302,6 +302,43 @@ class Tensor:
         """Set ``.grad`` to None."""
         self._grad = None
 
+    # ------------------------------------------------------------------ in place
+    def _check_inplace(self, op: str) -> None:
+        if self.requires_grad and _autograd.is_grad_enabled():
+            raise RuntimeError(
+                f"{op}: in-place modification of a tensor that requires grad cannot be "
+                "differentiated; do it under `with tensorlib.no_grad():` (as optimizers do)"
+            )
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """Assign into a region (not differentiable; refused on tensors that require grad)."""
+        self._check_inplace("__setitem__")
+        v = value.to(self._device)._data if isinstance(value, Tensor) else value
+        self._data[_mv.normalize_index(index, self._device)] = v
+
+    def copy_(self, src: Tensor | Any) -> Tensor:
+        """Copy ``src`` (broadcast to this shape, cast, moved to this device) into this tensor."""
+        self._check_inplace("copy_")
+        data = src.detach().to(self._device)._data if isinstance(src, Tensor) else src
+        try:
+            self._data[...] = data
+        except ValueError as exc:
+            raise ValueError(
+                f"copy_: source of shape {tuple(getattr(data, 'shape', ()))} cannot be "
+                f"broadcast to {self.shape}"
+            ) from exc
+        return self
+
+    def fill_(self, value: Scalar) -> Tensor:
+        """Set every element to ``value``."""
+        self._check_inplace("fill_")
+        self._data.fill(value)
+        return self
+
+    def zero_(self) -> Tensor:
+        """Set every element to zero."""
+        return self.fill_(0)
+
     # ------------------------------------------------------------------ operators
     def __add__(self, other: Any) -> Tensor:
         return _ew.Add.apply(self, other)
@@ -349,7 +386,7 @@ class Tensor:
         return _la.Matmul.apply(other, self)
 
     def __getitem__(self, index: Any) -> Tensor:
-        return _mv.Getitem.apply(self, index=_mv.normalize_index(index))
+        return _mv.Getitem.apply(self, index=_mv.normalize_index(index, self._device))
 
     # Comparisons give bool tensors and are not differentiable.
     def _compare(self, other: Any, op: Callable[[Any, Any], Any]) -> Tensor:

@@ -115,7 +115,17 @@ def cross_entropy(
         if bad.any():
             first = int(t[bad][0])
             raise ValueError(f"cross_entropy: target {first} is out of range for {c} classes")
+    t = _on_device(t, logits, "cross_entropy", "target")
     return _nn.CrossEntropy.apply(logits, t, reduction=reduction, ignore_index=ignore_index)
+
+
+def _on_device(arr: Any, like: Tensor, fn: str, what: str) -> Any:
+    """Copy a host index array to ``like``'s GPU; refuse GPU indices for CPU tensors."""
+    if isinstance(arr, np.ndarray):
+        return arr if like.device.type == "cpu" else like.device.xp.asarray(arr)
+    if like.device.type == "cpu":
+        raise ValueError(f"{fn}: {what} is on a GPU but the tensor is on the CPU")
+    return arr
 
 
 def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Tensor:
@@ -181,4 +191,4 @@ def embedding(indices: Tensor | Any, weight: Tensor) -> Tensor:
             raise IndexError(
                 f"embedding: index {bad} is out of range for {weight.shape[0]} embeddings"
             )
-    return _mv.Getitem.apply(weight, index=idx)
+    return _mv.Getitem.apply(weight, index=_on_device(idx, weight, "embedding", "indices"))

@@ -1247,3 +1247,23 @@ def test_ops_refuse_tensors_on_different_devices_gpu() -> None:
             fn(a, b)
     with pytest.raises(RuntimeError, match="same device"):
         tl.concatenate([a, b])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_index_arrays_follow_the_tensor_to_its_device(device: str) -> None:
+    # Targets, embedding indices and index tensors built on the host must work with tensors
+    # on any device (they are copied over), with the same values and gradients as on the CPU.
+    logits = tl.tensor([[1.0, 2.0, 0.5], [0.1, 0.2, 3.0]], device=device, requires_grad=True)
+    loss = F.cross_entropy(logits, np.array([1, 2]))
+    loss.backward()
+    ref = np.array([[1.0, 2.0, 0.5], [0.1, 0.2, 3.0]])
+    p = np.exp(ref - ref.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(loss.item(), -np.log(p[[0, 1], [1, 2]]).mean(), rtol=1e-5)
+    weight = tl.tensor(np.arange(12.0).reshape(4, 3), device=device, requires_grad=True)
+    rows = F.embedding(np.array([3, 0, 3]), weight)
+    np.testing.assert_array_equal(rows.numpy(), np.arange(12.0).reshape(4, 3)[[3, 0, 3]])
+    picked = weight[tl.tensor([1, 1])]
+    (rows.sum() + picked.sum()).backward()
+    assert weight.grad is not None
+    np.testing.assert_array_equal(weight.grad.numpy()[:, 0], [1.0, 2.0, 0.0, 2.0])

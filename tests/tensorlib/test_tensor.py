@@ -313,3 +313,34 @@ def test_transpose_len_iter_bool() -> None:
         bool(x)
     assert bool(tl.tensor([1.0])) and not bool(tl.tensor(0))
     assert (x > 0).all().item() and not (x > 5).all().item() and (x > 5).any().item()
+
+
+# ---------------------------------------------------------------------------- in place
+@pytest.mark.parametrize("device", DEVICES)
+def test_setitem_copy_fill_zero_write_in_place(device: str) -> None:
+    t = tl.zeros(2, 3, device=device)
+    t[0] = 5.0
+    t[1, tl.tensor([0, 2])] = tl.tensor([1.0, 2.0], device=device)
+    np.testing.assert_array_equal(t.numpy(), [[5, 5, 5], [1, 0, 2]])
+    t.copy_(tl.tensor([7.0, 8.0, 9.0]))  # broadcast over rows, moved to t's device
+    np.testing.assert_array_equal(t.numpy(), [[7, 8, 9], [7, 8, 9]])
+    t.fill_(3.0)
+    np.testing.assert_array_equal(t.numpy(), np.full((2, 3), 3.0))
+    assert t.zero_() is t
+    np.testing.assert_array_equal(t.numpy(), np.zeros((2, 3)))
+
+
+def test_inplace_on_tensor_requiring_grad_is_refused_unless_no_grad() -> None:
+    w = tl.ones(3, requires_grad=True)
+    for op in (lambda: w.__setitem__(0, 2.0), lambda: w.fill_(2.0), lambda: w.copy_(tl.zeros(3))):
+        with pytest.raises(RuntimeError, match="no_grad"):
+            op()
+    np.testing.assert_array_equal(w.numpy(), np.ones(3))  # untouched
+    with tl.no_grad():
+        w[0] = 2.0
+    np.testing.assert_array_equal(w.numpy(), [2.0, 1.0, 1.0])
+
+
+def test_copy_shape_mismatch_names_both_shapes() -> None:
+    with pytest.raises(ValueError, match=r"\(4,\).*\(2, 3\)"):
+        tl.zeros(2, 3).copy_(tl.ones(4))
