@@ -1,6 +1,84 @@
-"""collectives: process groups, async Work handles and backends (serial, cpu, nccl, mpi).
+"""collectives: process groups, async Work handles, rendezvous and backends.
 
-This package is being built (see docs/design.md); it exposes no public names yet.
+Backends: ``serial`` (world size 1), ``cpu`` (shared memory on one host); ``nccl`` and
+``mpi`` plug into the same registry. See docs/collectives.md.
 """
 
-__all__: list[str] = []
+from . import backends  # noqa: F401  (registers the built-in backends)
+from ._api import (
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    all_to_all,
+    alloc,
+    barrier,
+    broadcast,
+    broadcast_object,
+    destroy_process_group,
+    get_backend,
+    get_default_group,
+    get_local_rank,
+    get_local_world_size,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    send,
+    show_config,
+)
+from ._backend import Backend, GroupInfo, Request
+from ._errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GroupAbortedError,
+    PeerFailureError,
+)
+from ._group import NonMemberGroup, ProcessGroup
+from ._registry import available_backends, register_backend
+from ._types import ReduceOp
+from ._work import Work
+
+__all__ = [
+    "Backend",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "GroupAbortedError",
+    "GroupInfo",
+    "NonMemberGroup",
+    "PeerFailureError",
+    "ProcessGroup",
+    "ReduceOp",
+    "Request",
+    "Work",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "alloc",
+    "available_backends",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "destroy_process_group",
+    "get_backend",
+    "get_default_group",
+    "get_local_rank",
+    "get_local_world_size",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "register_backend",
+    "send",
+    "show_config",
+]

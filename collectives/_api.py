@@ -1,0 +1,421 @@
+"""Module-level API: the default process group and functions that act on it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._backend import GroupInfo
+from ._env import EnvConfig, parse_init_method, read_env
+from ._group import NonMemberGroup, ProcessGroup
+from ._registry import available_backends, get_backend_spec, registered_backends
+from ._types import ReduceOp
+
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "alloc",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "destroy_process_group",
+    "get_backend",
+    "get_default_group",
+    "get_local_rank",
+    "get_local_world_size",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
+    "show_config",
+]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass
+class _World:
+    default: ProcessGroup
+    env: EnvConfig
+    store: Any
+    timeout: float
+    groups: list[ProcessGroup] = field(default_factory=list)
+    group_counter: int = 0
+
+
+_world: _World | None = None
+_lock = threading.RLock()
+
+
+def _seconds(timeout: float | datetime.timedelta | None) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    t = float(timeout)
+    if not t > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return t
+
+
+def _default_backend(world_size: int) -> str:
+    if world_size == 1:
+        return "serial"
+    avail = available_backends()
+    if "nccl" in avail:
+        from tensorlib import cuda_is_available
+
+        if cuda_is_available():
+            return "nccl"
+    return "cpu"
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str = "env://",
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+) -> ProcessGroup:
+    """Join the job's default process group.
+
+    Args:
+        backend: ``"serial"``, ``"cpu"``, ``"nccl"``, ``"mpi"``, or None to choose: serial at
+            world size 1, nccl when GPUs and NCCL are present, else cpu.
+        init_method: ``"env://"`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT..., or SLURM's or
+            Open MPI's variables) or ``"tcp://host:port"`` with ``rank``/``world_size``.
+        rank: this process's rank (overrides the environment).
+        world_size: number of processes (overrides the environment).
+        timeout: seconds (or a timedelta) a collective may take before it fails on every rank.
+
+    Returns:
+        The default group.
+
+    Raises:
+        RuntimeError: if already initialized.
+        ValueError: for missing or inconsistent configuration (the error names the variable).
+    """
+    global _world
+    with _lock:
+        if _world is not None:
+            raise RuntimeError(
+                "init_process_group() was already called; call destroy_process_group() first"
+            )
+        seconds = _seconds(timeout)
+        kind, details = parse_init_method(init_method)
+        environ = dict(os.environ)
+        if kind == "tcp":
+            environ["MASTER_ADDR"], environ["MASTER_PORT"] = details[0], str(details[1])
+        env = read_env(environ, rank=rank, world_size=world_size)
+        name = backend if backend is not None else _default_backend(env.world_size)
+        spec = get_backend_spec(name)
+        reason = spec.probe()
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
+        store = None
+        if env.world_size > 1:
+            store = _rendezvous(env, seconds)
+        info = GroupInfo(
+            rank=env.rank,
+            size=env.world_size,
+            ranks=tuple(range(env.world_size)),
+            global_rank=env.rank,
+            name="world",
+            store=store,
+            timeout=seconds,
+            local_rank=env.local_rank,
+        )
+        try:
+            group = ProcessGroup(spec.factory(info))
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+        _world = _World(default=group, env=env, store=store, timeout=seconds)
+        _world.groups.append(group)
+        return group
+
+
+def _rendezvous(env: EnvConfig, timeout: float) -> Any:
+    """Connect to (rank 0: host) the store and check every rank joined with the same size."""
+    from ._store import TCPStore
+
+    store = TCPStore(env.master_addr, env.master_port, is_server=env.rank == 0, timeout=timeout)
+    try:
+        claimed = store.add(f"init/rank/{env.rank}/claims", 1)
+        if claimed != 1:
+            raise ValueError(
+                f"two processes claim RANK={env.rank} (check RANK / the launcher's settings)"
+            )
+        store.set(
+            f"init/rank/{env.rank}",
+            f"{env.world_size} {os.getpid()} {platform.node()}",
+        )
+        keys = [f"init/rank/{r}" for r in range(env.world_size)]
+        try:
+            store.wait(keys, timeout)
+        except Exception as exc:
+            missing = [r for r in range(env.world_size) if not store.check([f"init/rank/{r}"])]
+            raise TimeoutError(
+                f"[rank {env.rank}] init_process_group: ranks {missing} did not join within "
+                f"{timeout:.0f} s (WORLD_SIZE={env.world_size}, store "
+                f"{env.master_addr}:{env.master_port})"
+            ) from exc
+        sizes = {}
+        for r in range(env.world_size):
+            sizes[r] = int(store.get(f"init/rank/{r}").decode().split()[0])
+        bad = {r: s for r, s in sizes.items() if s != env.world_size}
+        if bad:
+            raise ValueError(
+                f"[rank {env.rank}] init_process_group: ranks disagree on WORLD_SIZE: this rank "
+                f"has {env.world_size}, ranks {sorted(bad)} have {sorted(set(bad.values()))}"
+            )
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _require() -> _World:
+    if _world is None:
+        _implicit_serial()
+    assert _world is not None
+    return _world
+
+
+def _implicit_serial() -> None:
+    # Scripts run without a launcher behave as world size 1, so code never branches. A job
+    # launched with several ranks but no init call is a bug: say so instead of silently
+    # running every rank alone.
+    try:
+        env = read_env(dict(os.environ))
+        size = env.world_size
+    except ValueError:
+        size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size > 1:
+        raise RuntimeError(
+            f"this process was launched as one of {size} ranks but init_process_group() was "
+            "not called"
+        )
+    init_process_group(backend="serial", rank=0, world_size=1)
+
+
+def is_initialized() -> bool:
+    """True after ``init_process_group`` (or an implicit world-size-1 start)."""
+    return _world is not None
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy ``group``, or every group and the store when None (idempotent)."""
+    global _world
+    with _lock:
+        if _world is None:
+            return
+        if group is not None and group is not _world.default:
+            group.destroy()
+            if group in _world.groups:
+                _world.groups.remove(group)
+            return
+        for g in reversed(_world.groups):
+            g.destroy()
+        if _world.store is not None:
+            _world.store.close()
+        _world = None
+
+
+def get_default_group() -> ProcessGroup:
+    """The default group (initializing a world of one if nothing was initialized)."""
+    return _require().default
+
+
+def _group(group: ProcessGroup | NonMemberGroup | None) -> Any:
+    return _require().default if group is None else group
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank (in ``group``; 0 when nothing was initialized)."""
+    if group is None and _world is None:
+        return 0
+    return int(_group(group).rank)
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks (in ``group``; 1 when nothing was initialized)."""
+    if group is None and _world is None:
+        return 1
+    return int(_group(group).size)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its host (LOCAL_RANK; 0 when nothing was initialized)."""
+    return 0 if _world is None else _world.env.local_rank
+
+
+def get_local_world_size() -> int:
+    """Number of ranks on this host (LOCAL_WORLD_SIZE; 1 when nothing was initialized)."""
+    return 1 if _world is None else _world.env.local_world_size
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """Name of the backend of ``group`` (default group when None)."""
+    return str(_group(group).backend_name)
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> ProcessGroup | NonMemberGroup:
+    """Create a group of some global ranks. Every rank of the job must call it, in the same order.
+
+    Returns:
+        The group on its members; a :class:`NonMemberGroup` (whose collectives raise) elsewhere.
+    """
+    world = _require()
+    size = world.default.size
+    members = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
+    if not members or len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks must be unique and non-empty, got {list(members)}")
+    bad = [r for r in members if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are out of range for world size {size}")
+    with _lock:
+        world.group_counter += 1
+        counter = world.group_counter
+    me = world.default.info.global_rank
+    if me not in members:
+        return NonMemberGroup(members, me)
+    digest = zlib.crc32(",".join(map(str, members)).encode())
+    name = f"g{counter}-{digest:08x}"
+    default_backend = world.default.backend_name
+    bname = backend or ("serial" if len(members) == 1 else default_backend)
+    if bname == "serial" and len(members) > 1:
+        bname = "cpu"
+    spec = get_backend_spec(bname)
+    info = GroupInfo(
+        rank=members.index(me),
+        size=len(members),
+        ranks=members,
+        global_rank=me,
+        name=name,
+        store=world.store,
+        timeout=_seconds(timeout) if timeout is not None else world.timeout,
+        local_rank=world.env.local_rank,
+    )
+    group = ProcessGroup(spec.factory(info))
+    world.groups.append(group)
+    return group
+
+
+def show_config() -> str:
+    """Describe every backend: usable here, or why not."""
+    lines = ["collectives backends:"]
+    for name in registered_backends():
+        spec = get_backend_spec(name)
+        reason = spec.probe()
+        state = "available" if reason is None else f"unavailable: {reason}"
+        lines.append(f"  {name:7s} {state}. {spec.description}")
+    if _world is not None:
+        d = _world.default
+        lines.append(
+            f"initialized: backend={d.backend_name} rank={d.rank} world_size={d.size} "
+            f"local_rank={_world.env.local_rank} (from {_world.env.source})"
+        )
+    else:
+        lines.append("not initialized")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- collectives
+def all_reduce(
+    x: Any,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Reduce ``x`` across the group in place (see :meth:`ProcessGroup.all_reduce`)."""
+    return _group(group).all_reduce(x, op, async_op=async_op)
+
+
+def broadcast(x: Any, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Copy ``x`` from global rank ``src`` to every rank, in place."""
+    return _group(group).broadcast(x, src, async_op=async_op)
+
+
+def reduce(
+    x: Any,
+    dst: int,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Reduce ``x`` into global rank ``dst``'s ``x``."""
+    return _group(group).reduce(x, dst, op, async_op=async_op)
+
+
+def all_gather(
+    x: Any, out: Any = None, group: ProcessGroup | None = None, async_op: bool = False
+) -> Any:
+    """Gather ``x`` from every rank into shape ``(world_size, *x.shape)``."""
+    return _group(group).all_gather(x, out=out, async_op=async_op)
+
+
+def reduce_scatter(
+    x: Any,
+    op: ReduceOp | str = ReduceOp.SUM,
+    out: Any = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Reduce ``x`` and give each rank its block of the first axis."""
+    return _group(group).reduce_scatter(x, op, out=out, async_op=async_op)
+
+
+def all_to_all(
+    x: Any, out: Any = None, group: ProcessGroup | None = None, async_op: bool = False
+) -> Any:
+    """Exchange blocks of the first axis between all ranks."""
+    return _group(group).all_to_all(x, out=out, async_op=async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Wait for every rank of the group."""
+    return _group(group).barrier(async_op=async_op)
+
+
+def send(x: Any, dst: int, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Send ``x`` to global rank ``dst``."""
+    return _group(group).send(x, dst, async_op=async_op)
+
+
+def recv(x: Any, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """Receive into ``x`` from global rank ``src``."""
+    return _group(group).recv(x, src, async_op=async_op)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
+    """Broadcast a small JSON-able value from ``src``."""
+    return _group(group).broadcast_object(obj, src)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Gather a small JSON-able value from every rank."""
+    return list(_group(group).all_gather_object(obj))
+
+
+def alloc(shape: Any, dtype: Any = "float32", group: ProcessGroup | None = None) -> Any:
+    """Collectively allocate an array the backend reduces without copies (see ProcessGroup)."""
+    return _group(group).alloc(shape, dtype)

@@ -1,0 +1,481 @@
+"""``ProcessGroup``: argument checks, sequence numbers and dispatch, shared by every backend.
+
+Every collective is checked locally first (array type, dtype, contiguity, writability, shape
+constraints, ranks) with an error that names the rank, op and sequence number; then it gets the
+group's next sequence number and a :class:`~collectives._types.Signature` that the engine
+compares across ranks before any data moves.
+
+Ranks given to ``broadcast(src=)``, ``reduce(dst=)``, ``send(dst=)`` and ``recv(src=)`` are
+global ranks (as in ``torch.distributed``), for the default group and subgroups alike.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorlib import Tensor
+
+from ._backend import Backend, GroupInfo, Request
+from ._types import DTYPE_CODES, SUPPORTED_NAMES, ReduceOp, Signature
+
+__all__ = ["NonMemberGroup", "ProcessGroup"]
+
+_MAX_OBJECT_BYTES = 64 << 20
+_REDUCIBLE_KINDS = "iuf"
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+class _Arg:
+    """One array argument: the user's object, the array the engine sees, how to map back."""
+
+    __slots__ = ("array", "kind", "staged", "user")
+
+    def __init__(self, user: Any, array: Any, kind: str, staged: bool) -> None:
+        self.user = user
+        self.array = array  # what the engine reads/writes (host copy when staged)
+        self.kind = kind  # "numpy", "cupy" or "tensor"
+        self.staged = staged  # a CuPy array copied to the host for an engine without GPU support
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together.
+
+    Get one from :func:`collectives.init_process_group` (the default group) or
+    :func:`collectives.new_group`. Methods mirror the module-level functions.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.info: GroupInfo = backend.info
+        self._seq = 0
+        self._p2p: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return self.info.size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global rank of each member, in group-rank order."""
+        return self.info.ranks
+
+    @property
+    def name(self) -> str:
+        """The group's name (the same on every member)."""
+        return self.info.name
+
+    @property
+    def backend_name(self) -> str:
+        """Name of the backend serving the group."""
+        return self.backend.name
+
+    @property
+    def seq(self) -> int:
+        """Number of collectives issued on this group so far."""
+        return self._seq
+
+    def is_member(self) -> bool:
+        """True: this process belongs to the group."""
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"<ProcessGroup {self.name!r} backend={self.backend.name} rank={self.rank} "
+            f"size={self.size} ranks={list(self.ranks)}>"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _where(self, op: str, seq: int | None = None) -> str:
+        s = f" #{seq}" if seq is not None else f" #{self._seq + 1}"
+        return f"[rank {self.info.global_rank}] {op}{s}"
+
+    def _arg(self, op: str, x: Any, what: str = "input", writable: bool = False) -> _Arg:
+        if isinstance(x, Tensor):
+            arr, kind = x.data, "tensor"
+        elif isinstance(x, np.ndarray):
+            arr, kind = x, "numpy"
+        elif _is_cupy(x):
+            arr, kind = x, "cupy"
+        else:
+            raise TypeError(
+                f"{self._where(op)}: {what} must be a NumPy array, CuPy array or tensorlib "
+                f"Tensor, got {type(x).__name__}"
+            )
+        if arr.dtype not in DTYPE_CODES:
+            raise TypeError(
+                f"{self._where(op)}: {what} has unsupported dtype {arr.dtype}; "
+                f"supported: {SUPPORTED_NAMES}"
+            )
+        if not arr.flags.c_contiguous:
+            raise ValueError(
+                f"{self._where(op)}: {what} of shape {tuple(arr.shape)} is not C-contiguous; "
+                "pass a contiguous array (e.g. np.ascontiguousarray) and copy the result back"
+            )
+        if writable and isinstance(arr, np.ndarray) and not arr.flags.writeable:
+            raise ValueError(f"{self._where(op)}: {what} is read-only but {op} writes into it")
+        is_dev = _is_cupy(arr)
+        staged = is_dev and not self.backend.accepts_device_arrays
+        if staged:
+            arr = arr.get()  # the cpu/mpi engines work on host memory; copy back after
+        return _Arg(x, arr, kind, staged)
+
+    def _group_rank(self, op: str, global_rank: int, what: str) -> int:
+        if isinstance(global_rank, bool) or not isinstance(global_rank, int | np.integer):
+            raise TypeError(f"{self._where(op)}: {what} must be an int rank, got {global_rank!r}")
+        try:
+            return self.info.ranks.index(int(global_rank))
+        except ValueError:
+            raise ValueError(
+                f"{self._where(op)}: {what}={global_rank} is not a member of "
+                f"{self.info.describe()} (members: {list(self.info.ranks)})"
+            ) from None
+
+    def _reduce_op(self, op: str, reduce_op: Any, arr: Any) -> ReduceOp:
+        if isinstance(reduce_op, str):
+            try:
+                reduce_op = ReduceOp[reduce_op.upper()]
+            except KeyError:
+                reduce_op = None
+        if not isinstance(reduce_op, ReduceOp):
+            raise ValueError(
+                f"{self._where(op)}: op must be a ReduceOp (SUM, PROD, MIN, MAX, AVG), "
+                f"got {reduce_op!r}"
+            )
+        if arr.dtype.kind not in _REDUCIBLE_KINDS:
+            raise TypeError(
+                f"{self._where(op)}: cannot reduce dtype {arr.dtype}; cast bool to uint8 first"
+            )
+        if reduce_op is ReduceOp.AVG and arr.dtype.kind != "f":
+            raise TypeError(
+                f"{self._where(op)}: AVG needs a floating dtype, got {arr.dtype}; use SUM and "
+                "divide, or cast to float"
+            )
+        return reduce_op
+
+    def _new_output(self, src: _Arg, shape: tuple[int, ...]) -> Any:
+        return (
+            np.empty(shape, dtype=src.array.dtype)
+            if isinstance(src.array, np.ndarray)
+            else (type(src.array)(shape, dtype=src.array.dtype))
+        )
+
+    def _check_out(self, op: str, out: Any, shape: tuple[int, ...], dtype: Any) -> _Arg:
+        o = self._arg(op, out, "out", writable=True)
+        if tuple(o.array.shape) != shape or o.array.dtype != dtype:
+            raise ValueError(
+                f"{self._where(op)}: out must have shape {shape} and dtype {dtype}, got "
+                f"{tuple(o.array.shape)} {o.array.dtype}"
+            )
+        return o
+
+    def _submit(
+        self,
+        req: Request,
+        async_op: bool,
+        finalize: Callable[[], Any],
+    ) -> Any:
+        work = self.backend.submit(req, async_op)
+        work._finalize = lambda _out: finalize()
+        if async_op:
+            return work
+        return work.wait()
+
+    def _next(self, op: str) -> int:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self.backend.check_usable(op, seq)
+        return seq
+
+    @staticmethod
+    def _give_back(arg: _Arg) -> Any:
+        """After an in-place op: copy a staged host result into the user's CuPy array."""
+        if arg.staged:
+            dev = arg.user.data if arg.kind == "tensor" else arg.user
+            dev.set(arg.array)
+        return arg.user
+
+    @staticmethod
+    def _new_result(like: _Arg, host_or_dev: Any) -> Any:
+        """Wrap a freshly made output in the input's kind (Tensor, CuPy or NumPy)."""
+        out = host_or_dev
+        if like.staged:
+            import cupy
+
+            dev_in = like.user.data if like.kind == "tensor" else like.user
+            with dev_in.device:
+                out = cupy.asarray(out)
+        if like.kind == "tensor":
+            from tensorlib import Tensor
+
+            return Tensor._wrap(out)
+        return out
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce ``x`` across ranks in place; every rank gets the result.
+
+        Returns:
+            ``x`` (or a Work whose ``wait()`` returns it).
+        """
+        a = self._arg("all_reduce", x, writable=True)
+        rop = self._reduce_op("all_reduce", op, a.array)
+        seq = self._next("all_reduce")
+        sig = Signature("all_reduce", a.array.dtype, tuple(a.array.shape), -1, rop)
+        req = Request("all_reduce", seq, sig, array=a.array, reduce_op=rop)
+        return self._submit(req, async_op, lambda: self._give_back(a))
+
+    def broadcast(self, x: Any, src: int, async_op: bool = False) -> Any:
+        """Copy ``x`` from global rank ``src`` into ``x`` on every rank (in place)."""
+        a = self._arg("broadcast", x, writable=True)
+        root = self._group_rank("broadcast", src, "src")
+        seq = self._next("broadcast")
+        sig = Signature("broadcast", a.array.dtype, tuple(a.array.shape), root)
+        req = Request("broadcast", seq, sig, array=a.array, root=root)
+        return self._submit(req, async_op, lambda: self._give_back(a))
+
+    def reduce(
+        self, x: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
+    ) -> Any:
+        """Reduce ``x`` across ranks into ``x`` on global rank ``dst`` (others keep theirs)."""
+        a = self._arg("reduce", x, writable=True)
+        rop = self._reduce_op("reduce", op, a.array)
+        root = self._group_rank("reduce", dst, "dst")
+        seq = self._next("reduce")
+        sig = Signature("reduce", a.array.dtype, tuple(a.array.shape), root, rop)
+        req = Request("reduce", seq, sig, array=a.array, reduce_op=rop, root=root)
+        return self._submit(req, async_op, lambda: self._give_back(a))
+
+    def all_gather(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
+        """Gather ``x`` from every rank into an array of shape ``(size, *x.shape)``.
+
+        Args:
+            x: this rank's contribution.
+            out: optional output of that shape and dtype (filled in place).
+        """
+        a = self._arg("all_gather", x)
+        shape = (self.size, *a.array.shape)
+        if out is not None:
+            o = self._check_out("all_gather", out, shape, a.array.dtype)
+            host_out = o.array
+        else:
+            o = None
+            host_out = self._new_output(a, shape)
+        seq = self._next("all_gather")
+        sig = Signature("all_gather", a.array.dtype, tuple(a.array.shape))
+        req = Request("all_gather", seq, sig, array=a.array, out=host_out)
+
+        def finalize() -> Any:
+            return self._give_back(o) if o is not None else self._new_result(a, host_out)
+
+        return self._submit(req, async_op, finalize)
+
+    def reduce_scatter(
+        self, x: Any, op: ReduceOp | str = ReduceOp.SUM, out: Any = None, async_op: bool = False
+    ) -> Any:
+        """Reduce ``x`` across ranks and give rank r the r-th block along the first axis.
+
+        ``x.shape[0]`` must be divisible by the group size; the output has shape
+        ``(x.shape[0] // size, *x.shape[1:])``.
+        """
+        a = self._arg("reduce_scatter", x)
+        rop = self._reduce_op("reduce_scatter", op, a.array)
+        shape = self._blocked_shape("reduce_scatter", a.array)
+        if out is not None:
+            o = self._check_out("reduce_scatter", out, shape, a.array.dtype)
+            host_out = o.array
+        else:
+            o = None
+            host_out = self._new_output(a, shape)
+        seq = self._next("reduce_scatter")
+        sig = Signature("reduce_scatter", a.array.dtype, tuple(a.array.shape), -1, rop)
+        req = Request("reduce_scatter", seq, sig, array=a.array, out=host_out, reduce_op=rop)
+
+        def finalize() -> Any:
+            return self._give_back(o) if o is not None else self._new_result(a, host_out)
+
+        return self._submit(req, async_op, finalize)
+
+    def all_to_all(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
+        """Send block j of ``x`` (along the first axis) to rank j; block i of the output came
+        from rank i. ``x.shape[0]`` must be divisible by the group size.
+        """
+        a = self._arg("all_to_all", x)
+        self._blocked_shape("all_to_all", a.array)
+        shape = tuple(a.array.shape)
+        if out is not None:
+            o = self._check_out("all_to_all", out, shape, a.array.dtype)
+            host_out = o.array
+        else:
+            o = None
+            host_out = self._new_output(a, shape)
+        seq = self._next("all_to_all")
+        sig = Signature("all_to_all", a.array.dtype, shape)
+        req = Request("all_to_all", seq, sig, array=a.array, out=host_out)
+
+        def finalize() -> Any:
+            return self._give_back(o) if o is not None else self._new_result(a, host_out)
+
+        return self._submit(req, async_op, finalize)
+
+    def _blocked_shape(self, op: str, arr: Any) -> tuple[int, ...]:
+        if arr.ndim == 0 or arr.shape[0] % self.size != 0:
+            raise ValueError(
+                f"{self._where(op)}: the input's first dimension must be divisible by the group "
+                f"size {self.size}, got shape {tuple(arr.shape)}"
+            )
+        return (arr.shape[0] // self.size, *arr.shape[1:])
+
+    def barrier(self, async_op: bool = False) -> Any:
+        """Wait until every rank of the group reached this barrier."""
+        seq = self._next("barrier")
+        req = Request("barrier", seq, Signature("barrier", None, ()))
+        return self._submit(req, async_op, lambda: None)
+
+    def send(self, x: Any, dst: int, async_op: bool = False) -> Any:
+        """Send ``x`` to global rank ``dst`` (which must ``recv`` the same shape and dtype)."""
+        a = self._arg("send", x)
+        peer = self._peer("send", dst, "dst")
+        seq = self._next_p2p("send", peer)
+        sig = Signature("send", a.array.dtype, tuple(a.array.shape), peer)
+        req = Request("send", seq, sig, array=a.array, peer=peer)
+        return self._submit(req, async_op, lambda: None)
+
+    def recv(self, x: Any, src: int, async_op: bool = False) -> Any:
+        """Receive into ``x`` (in place) what global rank ``src`` sends."""
+        a = self._arg("recv", x, writable=True)
+        peer = self._peer("recv", src, "src")
+        seq = self._next_p2p("recv", peer)
+        sig = Signature("recv", a.array.dtype, tuple(a.array.shape), peer)
+        req = Request("recv", seq, sig, array=a.array, peer=peer)
+        return self._submit(req, async_op, lambda: self._give_back(a))
+
+    def _peer(self, op: str, rank: int, what: str) -> int:
+        peer = self._group_rank(op, rank, what)
+        if peer == self.rank:
+            raise ValueError(f"{self._where(op)}: {what}={rank} is this rank itself")
+        return peer
+
+    def _next_p2p(self, op: str, peer: int) -> int:
+        with self._lock:
+            key = (op, peer)
+            self._p2p[key] = self._p2p.get(key, 0) + 1
+            seq = self._p2p[key]
+        self.backend.check_usable(op, seq)
+        return seq
+
+    # ------------------------------------------------------------------ shared memory
+    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray[Any, Any]:
+        """Collectively allocate a zeroed array that the backend reduces without copies.
+
+        On the cpu backend it lives in shared memory that every rank of the group maps, so
+        ``all_reduce`` on it moves no data in or out. Every rank must call ``alloc`` with the
+        same shape and dtype, in the same order relative to the group's collectives.
+        """
+        shp = (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
+        dt = np.dtype(dtype)
+        if dt not in DTYPE_CODES:
+            raise TypeError(f"{self._where('alloc')}: unsupported dtype {dt}")
+        seq = self._next("alloc")
+        self.backend.executor.drain()
+        return self.backend.alloc(shp, dt, seq)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ objects
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Send a small JSON-able value (dict/list/str/number/bool/None) from ``src`` to all.
+
+        Tuples arrive as lists. Nothing is pickled.
+        """
+        root = self._group_rank("broadcast_object", src, "src")
+        if self.rank == root:
+            payload = _encode_object("broadcast_object", obj)
+            n = np.array([len(payload)], dtype=np.int64)
+        else:
+            payload = b""
+            n = np.zeros(1, dtype=np.int64)
+        self.broadcast(n, src)
+        buf = np.zeros(int(n[0]), dtype=np.uint8)
+        if self.rank == root:
+            buf[:] = np.frombuffer(payload, dtype=np.uint8)
+        self.broadcast(buf, src)
+        return json.loads(buf.tobytes().decode("utf-8"))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one small JSON-able value from every rank into a list (rank order)."""
+        payload = _encode_object("all_gather_object", obj)
+        lengths = self.all_gather(np.array([len(payload)], dtype=np.int64))
+        width = max(int(lengths.max()), 1)
+        buf = np.zeros(width, dtype=np.uint8)
+        buf[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        rows = self.all_gather(buf)
+        return [
+            json.loads(rows[i, : int(lengths[i, 0])].tobytes().decode("utf-8"))
+            for i in range(self.size)
+        ]
+
+    # ------------------------------------------------------------------ lifecycle
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Wait until every queued async collective of this group finished."""
+        return self.backend.executor.drain(timeout)
+
+    def destroy(self) -> None:
+        """Release the backend's resources (idempotent)."""
+        self.backend.close()
+
+
+def _encode_object(op: str, obj: Any) -> bytes:
+    try:
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{op}: the value must be JSON-serializable (dict/list/str/int/float/bool/None; "
+            f"no pickle): {exc}"
+        ) from None
+    if len(data) > _MAX_OBJECT_BYTES:
+        raise ValueError(
+            f"{op}: the value is {len(data)} bytes as JSON; object collectives are for small "
+            f"values (at most {_MAX_OBJECT_BYTES} bytes): send arrays instead"
+        )
+    return data
+
+
+class NonMemberGroup:
+    """What ``new_group`` returns on ranks outside the group: every collective raises."""
+
+    def __init__(self, ranks: tuple[int, ...], global_rank: int) -> None:
+        self.ranks = ranks
+        self.global_rank = global_rank
+
+    def is_member(self) -> bool:
+        """False: this process is not in the group."""
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"[rank {self.global_rank}] {name}: this rank is not a member of the group "
+                f"with ranks {list(self.ranks)}"
+            )
+
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return refuse
+
+    def __repr__(self) -> str:
+        return f"<NonMemberGroup ranks={list(self.ranks)} (rank {self.global_rank} not in it)>"

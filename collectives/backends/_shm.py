@@ -1,0 +1,183 @@
+"""Shared-memory segments under /dev/shm, and futex-based waiting on words inside them.
+
+Segments are plain files in /dev/shm mapped with mmap. Their space is reserved up front with
+``posix_fallocate`` so that running out of shared memory is a clear ``OSError`` at creation,
+never a SIGBUS on first touch. Backends unlink each name as soon as every peer has mapped it:
+the mappings stay valid, and nothing is left behind even if a process is killed later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import platform
+import secrets
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Futex", "Segment", "shm_dir"]
+
+_SHM_DIR = "/dev/shm"
+PREFIX = "dpt-"
+
+
+def shm_dir() -> str:
+    """Directory that backs POSIX shared memory here."""
+    return _SHM_DIR
+
+
+def probe() -> str | None:
+    """None when shared-memory segments can be created here, else why not."""
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux shared memory (/dev/shm); this is {sys.platform}"
+    if not os.path.isdir(_SHM_DIR) or not os.access(_SHM_DIR, os.W_OK):
+        return f"{_SHM_DIR} is missing or not writable"
+    return None
+
+
+class Segment:
+    """One mapped shared-memory file.
+
+    Attributes:
+        name: file name in /dev/shm.
+        size: bytes mapped.
+        buf: the mmap object.
+        u8: a uint8 NumPy view of the whole segment.
+        address: virtual address of the first byte (for futexes and zero-copy lookups).
+    """
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.buf = mm
+        self.owner = owner
+        self.unlinked = not owner
+        self.u8: np.ndarray[Any, Any] = np.frombuffer(mm, dtype=np.uint8)
+        self.address = self.u8.__array_interface__["data"][0]
+
+    @classmethod
+    def create(cls, size: int, tag: str) -> Segment:
+        """Create and map a new zeroed segment of at least ``size`` bytes.
+
+        Raises:
+            OSError: when /dev/shm cannot hold it (the message says how much was asked).
+        """
+        size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        run = os.environ.get("DPT_RUN_ID", "x")[:16]
+        name = f"{PREFIX}{run}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(_SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"cannot reserve {size / 2**20:.1f} MiB of shared memory in {_SHM_DIR} "
+                    f"({exc.strerror}); free some or lower DPT_CPU_CHUNK_BYTES",
+                ) from exc
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(name, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment created by another process."""
+        if "/" in name or not name.startswith(PREFIX):
+            raise ValueError(f"refusing to map an unexpected shared-memory name {name!r}")
+        path = os.path.join(_SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid). Idempotent."""
+        if not self.unlinked:
+            self.unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_SHM_DIR, self.name))
+
+    def close(self) -> None:
+        """Unlink if still named, and unmap when no array views remain."""
+        self.unlink()
+        self.u8 = np.zeros(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError, ValueError):
+            self.buf.close()
+
+    def words(self, offset: int, count: int) -> memoryview:
+        """A uint32 memoryview of ``count`` words at byte ``offset`` (fast scalar access)."""
+        return memoryview(self.buf)[offset : offset + 4 * count].cast("I")
+
+
+# ---------------------------------------------------------------------------- futexes
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
+    platform.machine().lower()
+)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """FUTEX_WAIT/FUTEX_WAKE on 32-bit words in shared mappings (shared, not private, futexes).
+
+    On platforms without the syscall, ``wait`` sleeps briefly instead (correct, slower).
+    """
+
+    def __init__(self) -> None:
+        self.available = False
+        self._syscall: Any = None
+        if _SYS_FUTEX is not None and sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.syscall
+                fn.restype = ctypes.c_long
+                self._syscall = fn
+                self.available = True
+            except (OSError, AttributeError):
+                self.available = False
+
+    def wait(self, address: int, expected: int, timeout: float) -> None:
+        """Sleep while the word at ``address`` equals ``expected``, at most ``timeout`` s.
+
+        Returns on a wake-up, a changed value, a signal or the timeout (callers re-check).
+        """
+        if not self.available:
+            import time
+
+            time.sleep(min(timeout, 0.0005))
+            return
+        sec = int(timeout)
+        ts = _Timespec(sec, int((timeout - sec) * 1e9))
+        self._syscall(
+            _SYS_FUTEX,
+            ctypes.c_void_p(address),
+            _FUTEX_WAIT,
+            ctypes.c_uint32(expected),
+            ctypes.byref(ts),
+            None,
+            0,
+        )
+
+    def wake(self, address: int) -> None:
+        """Wake every process sleeping on the word at ``address``."""
+        if self.available:
+            self._syscall(
+                _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0
+            )
