@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_movement as _mv
@@ -83,6 +85,18 @@ def minimum(a: Any, b: Any) -> Tensor:
 def where(condition: Any, a: Any, b: Any) -> Tensor:
     """Pick ``a`` where ``condition`` is true, else ``b`` (broadcasting all three)."""
     cond = condition._data if isinstance(condition, Tensor) else condition
+    # Why: the condition is passed as a raw array, so Function.apply never checked its device:
+    # a condition on another device than a and b failed inside CuPy ("Unsupported type"), and
+    # a NumPy mask with GPU tensors did too. Check the one, move the other (as index arrays).
+    dev = next((t._device for t in (a, b) if isinstance(t, Tensor)), None)
+    if dev is not None:
+        if isinstance(condition, Tensor) and condition._device is not dev:
+            raise RuntimeError(
+                f"where: condition is on {condition._device} but the tensors are on {dev}"
+            )
+        if dev.type == "cuda" and isinstance(cond, np.ndarray):
+            with dev:
+                cond = dev.xp.asarray(cond)
     return _ew.Where.apply(cond, a, b)
 
 

@@ -55,7 +55,8 @@ def _to_array(data: Any, dtype: Any, device: str | Device | None, copy: bool) ->
         cp = _load_cupy()
         with cp.cuda.Device(dev.index):
             if src_dev.type == "cuda" and src_dev is not dev:
-                arr = cp.array(data, dtype=dt, copy=True)
+                # order="A": CuPy cannot copy a strided array between GPUs as it is ("K").
+                arr = cp.array(data, dtype=dt, copy=True, order="A")
             else:
                 arr = cp.array(data, dtype=dt, copy=copy) if copy else cp.asarray(data, dtype=dt)
     _check_array_dtype(arr)

@@ -346,4 +346,7 @@ def _move(a: Any, dev: Device) -> Any:
     with cp.cuda.Device(dev.index):
         if isinstance(a, np.ndarray):
             return cp.asarray(a)  # host -> device copy
-        return cp.array(a, copy=True)  # between GPUs (asarray would keep the old device)
+        # Between GPUs: a copy onto dev, the current device here. order="A": with CuPy's
+        # default "K" a strided array (a[:, ::2]) raises "CuPy cannot copy non-contiguous
+        # array between devices"; "A" first makes it contiguous on its own GPU.
+        return cp.array(a, copy=True, order="A")

@@ -51,7 +51,8 @@ def normalize_index(index: Any, device: Any = None) -> Any:
         elif isinstance(i, list):
             i = np.asarray(i)
         if to_gpu and isinstance(i, np.ndarray):
-            i = device.xp.asarray(i)
+            with device:  # Why: asarray copies to the *current* GPU, which may be another one
+                i = device.xp.asarray(i)
         return i
 
     if isinstance(index, tuple):

@@ -25,6 +25,22 @@ def _check_array_dtype(array: Any) -> None:
         )
 
 
+def _value_on(value: Any, device: Device) -> Any:
+    """``value`` ready to be written into an array on ``device``: Tensors are moved there, and
+    on a GPU so are host arrays and lists.
+
+    Why: CuPy assigns only scalars and CuPy arrays through a basic index (``a[0] = np_array``
+    raises "non-scalar numpy.ndarray cannot be used for fill"), so ``t[0] = np_array`` and
+    ``t.copy_(np_array)`` worked on the CPU but failed on a GPU.
+    """
+    if isinstance(value, Tensor):
+        return value.detach().to(device)._data
+    if device.type == "cuda" and isinstance(value, np.ndarray | list | tuple):
+        with device:  # onto this tensor's GPU, not whichever one is current
+            return device.xp.asarray(value)
+    return value
+
+
 class Tensor:
     """An n-dimensional array on a device, with reverse-mode autodiff.
 
@@ -313,13 +329,13 @@ class Tensor:
     def __setitem__(self, index: Any, value: Any) -> None:
         """Assign into a region (not differentiable; refused on tensors that require grad)."""
         self._check_inplace("__setitem__")
-        v = value.to(self._device)._data if isinstance(value, Tensor) else value
+        v = _value_on(value, self._device)
         self._data[_mv.normalize_index(index, self._device)] = v
 
     def copy_(self, src: Tensor | Any) -> Tensor:
         """Copy ``src`` (broadcast to this shape, cast, moved to this device) into this tensor."""
         self._check_inplace("copy_")
-        data = src.detach().to(self._device)._data if isinstance(src, Tensor) else src
+        data = _value_on(src, self._device)
         try:
             self._data[...] = data
         except ValueError as exc:
@@ -390,6 +406,13 @@ class Tensor:
 
     # Comparisons give bool tensors and are not differentiable.
     def _compare(self, other: Any, op: Callable[[Any, Any], Any]) -> Tensor:
+        # Why: comparisons bypass Function.apply, so without this check a CPU and a GPU
+        # tensor met inside NumPy/CuPy, which raised "Unsupported type numpy.ndarray".
+        if isinstance(other, Tensor) and other._device is not self._device:
+            raise RuntimeError(
+                f"comparison: expected both tensors on the same device, got {self._device} "
+                f"and {other._device}"
+            )
         o = other._data if isinstance(other, Tensor) else other
         return Tensor._wrap(op(self._data, o), self._device)
 

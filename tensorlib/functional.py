@@ -122,7 +122,10 @@ def cross_entropy(
 def _on_device(arr: Any, like: Tensor, fn: str, what: str) -> Any:
     """Copy a host index array to ``like``'s GPU; refuse GPU indices for CPU tensors."""
     if isinstance(arr, np.ndarray):
-        return arr if like.device.type == "cpu" else like.device.xp.asarray(arr)
+        if like.device.type == "cpu":
+            return arr
+        with like.device:  # Why: asarray copies to the *current* GPU, maybe not like's
+            return like.device.xp.asarray(arr)
     if like.device.type == "cpu":
         raise ValueError(f"{fn}: {what} is on a GPU but the tensor is on the CPU")
     return arr
@@ -136,6 +139,10 @@ def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Te
         raise ValueError(
             f"mse_loss: input shape {tuple(input.shape)} and target shape {tshape} differ"
         )
+    if isinstance(target, np.ndarray):
+        # Why: a NumPy target (as from a data loader) worked on the CPU only; a GPU input met
+        # it inside CuPy ("Unsupported type numpy.ndarray"). cross_entropy moves it too.
+        target = _on_device(target, input, "mse_loss", "target")
     d = input - target
     sq = d * d
     if reduction == "mean":

@@ -8,6 +8,20 @@ from typing import Any
 import pytest
 
 import tensorlib as tl
+from tensorlib import _device
+
+# TENSORLIB_FAKE_CUPY=1 runs the `gpu` tests on tests/fakes/fake_cupy.py (host memory that is as
+# strict as CuPy about mixing in NumPy arrays), so GPU code paths are exercised without a GPU.
+FAKE_CUPY = os.environ.get("TENSORLIB_FAKE_CUPY") == "1"
+if FAKE_CUPY:
+    from tests.fakes import fake_cupy
+
+    fake_cupy.install()
+    # Forget anything tensorlib learned about CuPy before the fake was in place.
+    _device._cupy = None
+    _device._cupy_reason = None
+    for _spec in [k for k, v in _device.Device._cache.items() if v.type == "cuda"]:
+        del _device.Device._cache[_spec]
 
 # Hypothesis: deterministic in CI so a red run can be reproduced, and bounded in time.
 try:
@@ -45,6 +59,10 @@ _GPU_SKIPS = pytest.StashKey[tuple[int, str]]()
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """One line for all skipped GPU tests instead of one per test."""
+    if FAKE_CUPY:
+        terminalreporter.write_line(
+            "gpu-marked tests ran on the FAKE CuPy (TENSORLIB_FAKE_CUPY=1), not on a GPU"
+        )
     count, reason = config.stash.get(_GPU_SKIPS, (0, ""))
     if count:
         terminalreporter.write_line(

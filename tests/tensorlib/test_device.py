@@ -197,6 +197,17 @@ def test_move_to_gpu_and_back_is_differentiable() -> None:
 
 
 @pytest.mark.gpu
+def test_mixing_devices_names_both_devices() -> None:
+    g, c = tl.ones(2, device="cuda:0"), tl.ones(2)
+    # Comparisons and where() bypass Function.apply's check, so they check on their own.
+    for op in (lambda: g < c, lambda: c == g, lambda: g & (c > 0), lambda: g + c):
+        with pytest.raises(RuntimeError, match=r"cuda:0.*cpu|cpu.*cuda:0"):
+            op()
+    with pytest.raises(RuntimeError, match=r"condition is on cpu.*cuda:0"):
+        tl.where(c > 0, g, 0.0)
+
+
+@pytest.mark.gpu
 def test_gpu_dlpack_and_creation() -> None:
     import cupy as cp
 

@@ -751,6 +751,20 @@ def test_getitem_random_integer_arrays_accumulate(
 
 # ============================================================================ explicit behaviour
 @pytest.mark.parametrize("device", DEVICES)
+def test_host_masks_and_targets_follow_a_gpu_tensor(device: str) -> None:
+    """NumPy masks (where) and targets (mse_loss) work on every device, like index arrays."""
+    x = tl.tensor([1.0, -2.0, 3.0], device=device, requires_grad=True)
+    mask = np.array([True, False, True])
+    y = tl.where(mask, x, 0.0)
+    assert y.device == device and y.tolist() == [1.0, 0.0, 3.0]
+    y.sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [1.0, 0.0, 1.0]
+    loss = F.mse_loss(x, np.array([1.0, -1.0, 1.0], dtype=np.float32))
+    assert loss.device == device
+    np.testing.assert_allclose(loss.item(), 5.0 / 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_maximum_minimum_ties_split_gradient(device: str) -> None:
     a_np = np.array([1.0, 2.0, 3.0, -1.0])
     b_np = np.array([1.0, 0.0, 3.0, 5.0])

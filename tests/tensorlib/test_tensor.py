@@ -341,6 +341,25 @@ def test_inplace_on_tensor_requiring_grad_is_refused_unless_no_grad() -> None:
     np.testing.assert_array_equal(w.numpy(), [2.0, 1.0, 1.0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_setitem_and_copy_take_host_arrays_and_lists(device: str) -> None:
+    # CuPy refuses a non-scalar NumPy value for a basic-index assignment: host values must be
+    # copied to the tensor's GPU first, as they are for index arrays.
+    t = tl.zeros(2, 3, device=device)
+    t[0] = np.array([1.0, 2.0, 3.0])
+    t[1] = [4.0, 5.0, 6.0]
+    np.testing.assert_array_equal(t.numpy(), [[1, 2, 3], [4, 5, 6]])
+    t[np.array([1, 0]), 0] = np.array([7.0, 8.0])
+    np.testing.assert_array_equal(t.numpy()[:, 0], [8.0, 7.0])
+    t.copy_(np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(t.numpy(), np.arange(6.0).reshape(2, 3))
+    t.copy_([9.0, 8.0, 7.0])
+    np.testing.assert_array_equal(t.numpy(), [[9, 8, 7], [9, 8, 7]])
+    assert t.device == device and t.dtype == tl.float32
+    with pytest.raises(ValueError, match=r"\(4,\).*\(2, 3\)"):
+        t.copy_(np.ones(4))
+
+
 def test_copy_shape_mismatch_names_both_shapes() -> None:
     with pytest.raises(ValueError, match=r"\(4,\).*\(2, 3\)"):
         tl.zeros(2, 3).copy_(tl.ones(4))
