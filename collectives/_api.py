@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._backend import GroupInfo
-from ._env import EnvConfig, parse_init_method, read_env
+from ._env import EnvConfig, read_env, resolve_init_method
+from ._errorfile import install_excepthook
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
@@ -115,11 +116,8 @@ def init_process_group(
                 "init_process_group() was already called; call destroy_process_group() first"
             )
         seconds = _seconds(timeout)
-        kind, details = parse_init_method(init_method)
-        environ = dict(os.environ)
-        if kind == "tcp":
-            environ["MASTER_ADDR"], environ["MASTER_PORT"] = details[0], str(details[1])
-        env = read_env(environ, rank=rank, world_size=world_size)
+        install_excepthook()  # under a launcher: this rank's traceback goes to its error file
+        env = resolve_init_method(init_method, rank=rank, world_size=world_size)
         name = backend if backend is not None else _default_backend(env.world_size)
         spec = get_backend_spec(name)
         reason = spec.probe()

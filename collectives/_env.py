@@ -1,0 +1,551 @@
+"""env:// configuration: rank, world size, local rank and the store's address from the environment.
+
+Sources, in order of precedence (the first one present gives rank and world size):
+
+1. torchrun's names: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+   ``MASTER_ADDR``, ``MASTER_PORT`` (also set by ``python -m collectives.run`` and ``spawn``).
+2. Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+   ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``. It comes before SLURM because
+   processes that ``mpirun`` starts inside a SLURM job inherit ``SLURM_*`` variables that
+   describe mpirun's daemons (one per node), not the ranks.
+3. SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``,
+   ``SLURM_LOCALID``, and the tasks on this node from ``SLURM_STEP_TASKS_PER_NODE``/
+   ``SLURM_TASKS_PER_NODE`` (``"4(x2),3"``, indexed by ``SLURM_NODEID``) or
+   ``SLURM_NTASKS_PER_NODE``.
+4. Nothing set: a single process (rank 0 of 1).
+
+Explicit ``rank``/``world_size`` arguments override the environment. ``MASTER_ADDR`` defaults to
+``127.0.0.1`` when the world size is 1 or every rank is on this host (LOCAL_WORLD_SIZE equals
+WORLD_SIZE); in a SLURM job it falls back to the first host of the step's node list (where
+srun puts task 0), then ``SLURM_LAUNCH_NODE_IPADDR``; otherwise a world size > 1 without it is
+an error. ``MASTER_PORT`` falls back, in a SLURM job, to ``15000 + SLURM_JOB_ID % 20000`` (the
+same on every task, and likely different between jobs); a world size of 1 needs no port
+(``master_port`` is 0).
+
+When torchrun's names and Open MPI's or SLURM's are both set they must agree where they
+describe the same processes: if ``WORLD_SIZE`` equals the other launcher's size, ``RANK``,
+``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` must equal its values. A larger ``WORLD_SIZE`` is a
+launcher nested inside the other (``srun ... torchrun --nproc-per-node 4``) and wins; a
+smaller one is an error. When a launcher's marker is set (``TORCHELASTIC_RUN_ID`` from
+torchrun, ``DPT_RUN_ID`` from ``collectives.run``/``spawn``) the torchrun names were written by
+a launcher started inside the other one and win without comparison. Every error is an
+:class:`EnvError` naming the variable and its value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+from ._store import is_local_address
+
+__all__ = [
+    "EnvConfig",
+    "EnvError",
+    "InitAddress",
+    "parse_init_method",
+    "read_env",
+    "resolve_init_method",
+]
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_TASKS_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+_HOST = re.compile(r"[A-Za-z0-9._:%-]+")
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 20000
+# Variables a launcher sets next to RANK/WORLD_SIZE (torchrun; collectives.run and spawn).
+_LAUNCHER_MARKERS = ("TORCHELASTIC_RUN_ID", "DPT_RUN_ID")
+
+
+class EnvError(ValueError):
+    """The launch configuration is missing, malformed or inconsistent (names the variable)."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Where this process sits in the job, and where the rendezvous store is.
+
+    Attributes:
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of processes in the job.
+        local_rank: rank among the processes on this host (selects the GPU).
+        local_world_size: number of processes on this host.
+        master_addr: host of rank 0, which hosts the store.
+        master_port: the store's port; 0 when ``world_size == 1`` and none was given.
+        source: where rank and world size came from: ``"torchrun"``, ``"ompi"``,
+            ``"slurm"``, ``"args"`` (both given as arguments) or ``"default"`` (nothing set).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+class InitAddress(NamedTuple):
+    """The details of an init method: the store's address (``("", 0)`` for ``env://``)."""
+
+    host: str
+    port: int
+
+
+class _Val(NamedTuple):
+    value: int
+    var: str  # the variable (or argument) it came from, for messages
+
+
+@dataclass
+class _Launcher:
+    name: str
+    rank: _Val | None
+    world: _Val | None
+    local_rank: _Val | None
+    local_world: _Val | None
+
+
+class _Env:
+    """Reads variables, treating empty ones as unset, and parses integers with clear errors."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+
+    def text(self, name: str) -> str | None:
+        raw = self.environ.get(name)
+        if raw is None or not raw.strip():
+            return None
+        return raw.strip()
+
+    def integer(self, name: str, minimum: int = 0) -> _Val | None:
+        raw = self.text(name)
+        if raw is None:
+            return None
+        if not _INT.fullmatch(raw):
+            raise EnvError(f"{name} must be an integer, got {self.environ[name]!r}")
+        value = int(raw)
+        if value < minimum:
+            raise EnvError(f"{name} must be >= {minimum}, got {self.environ[name]!r}")
+        return _Val(value, name)
+
+    def has(self, *names: str) -> bool:
+        return any(self.text(n) is not None for n in names)
+
+
+def read_env(
+    environ: Mapping[str, str] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> EnvConfig:
+    """Read this process's place in the job from the launcher's environment variables.
+
+    See the module docstring for the variables, their precedence and the defaults.
+
+    Args:
+        environ: the variables to read (default: ``os.environ``).
+        rank: this process's rank; overrides the environment.
+        world_size: the number of processes; overrides the environment.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        EnvError: a variable is missing, not an integer, out of range, or two launchers'
+            variables disagree; the message names the variables and their values.
+    """
+    env = _Env(os.environ if environ is None else environ)
+    rank_arg = _check_arg("rank", rank, 0)
+    world_arg = _check_arg("world_size", world_size, 1)
+
+    torchrun = _Launcher(
+        "torchrun",
+        env.integer("RANK"),
+        env.integer("WORLD_SIZE", 1),
+        env.integer("LOCAL_RANK"),
+        env.integer("LOCAL_WORLD_SIZE", 1),
+    )
+    launchers = [
+        launcher
+        for launcher, present in (
+            (torchrun, torchrun.rank is not None or torchrun.world is not None),
+            (_ompi(env), env.has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")),
+            (_slurm(env), env.has("SLURM_PROCID")),
+        )
+        if present
+    ]
+    primary = launchers[0] if launchers else None
+    explicit = rank_arg is not None and world_arg is not None
+
+    if explicit:
+        source = "args"
+    elif primary is not None:
+        source = primary.name
+    elif rank_arg is not None or world_arg is not None:
+        source = "args"
+    else:
+        source = "default"
+
+    # -- rank and world size
+    world = world_arg
+    if world is None and primary is not None:
+        world = primary.world
+        if world is None:
+            raise EnvError(f"{_world_var(primary)} is not set ({_rank_var(primary)} is)")
+    if world is None:
+        if rank_arg is not None and rank_arg.value > 0:
+            raise EnvError(
+                f"rank={rank_arg.value} given without world_size, and WORLD_SIZE is not set"
+            )
+        world = _Val(1, "world_size")
+    rank_val = rank_arg
+    if rank_val is None and primary is not None:
+        rank_val = primary.rank
+    if rank_val is None:
+        if world.value > 1:
+            name = _rank_var(primary) if primary is not None else "RANK"
+            raise EnvError(f"{name} is not set (needed with {world.var}={world.value} > 1)")
+        rank_val = _Val(0, "rank")
+    if rank_val.value >= world.value:
+        raise EnvError(
+            f"{rank_val.var}={rank_val.value} must be < {world.var}={world.value} "
+            "(ranks count from 0)"
+        )
+
+    if primary is not None and not explicit:
+        _check_consistent(env, launchers, override_rank=rank_arg is not None)
+
+    # -- local rank and size: torchrun's names, then the launcher's (unless both arguments
+    # replaced the launcher's layout)
+    local_rank = torchrun.local_rank
+    local_world = torchrun.local_world
+    if primary is not None and not explicit:
+        local_rank = local_rank or primary.local_rank
+        local_world = local_world or primary.local_world
+    if local_world is not None and local_world.value > world.value:
+        raise EnvError(
+            f"{local_world.var}={local_world.value} must be <= {world.var}={world.value}"
+        )
+
+    master_env = env.text("MASTER_ADDR")
+    if master_env is not None:
+        master_env = _check_host("MASTER_ADDR", master_env)
+    slurm_master = _slurm_master(env)
+
+    if world.value == 1:
+        local_rank = local_rank or _Val(0, "rank")
+        local_world = local_world or _Val(1, "world_size")
+    elif local_world is not None and local_world.value == world.value:
+        local_rank = local_rank or _Val(rank_val.value, rank_val.var)
+    elif local_rank is None or local_world is None:
+        known_master = master_env or slurm_master
+        if local_world is None and known_master is None:
+            raise EnvError(
+                f"MASTER_ADDR is not set: with {world.var}={world.value} > 1 every rank needs "
+                "the address of rank 0's host (set MASTER_ADDR, e.g. 127.0.0.1 when all ranks "
+                "run on this machine)"
+            )
+        if local_world is None and known_master is not None and is_local_address(known_master):
+            # The store's host is this one: take every rank to be here (one machine).
+            local_world = _Val(world.value, world.var)
+            local_rank = local_rank or _Val(rank_val.value, rank_val.var)
+        else:
+            missing = "LOCAL_RANK" if local_rank is None else "LOCAL_WORLD_SIZE"
+            if local_world is not None:
+                why = (
+                    f"{local_world.var}={local_world.value} < {world.var}={world.value} "
+                    "puts ranks on several hosts"
+                )
+            else:
+                why = f"MASTER_ADDR={known_master} is not this host, so ranks span several hosts"
+            raise EnvError(
+                f"{missing} is not set: {why}, and each rank needs LOCAL_RANK and "
+                "LOCAL_WORLD_SIZE (torchrun and collectives.run set them)"
+            )
+    assert local_rank is not None and local_world is not None  # every branch above sets them
+    if local_rank.value >= local_world.value:
+        raise EnvError(
+            f"{local_rank.var}={local_rank.value} must be < {local_world.var}={local_world.value}"
+        )
+
+    # -- the store's address
+    if master_env is not None:
+        master_addr = master_env
+    elif world.value == 1 or local_world.value == world.value:
+        master_addr = "127.0.0.1"
+    elif slurm_master is not None:
+        master_addr = slurm_master
+    else:
+        raise EnvError(
+            f"MASTER_ADDR is not set: with {world.var}={world.value} ranks on several hosts "
+            f"({local_world.var}={local_world.value}) every rank needs rank 0's host address"
+        )
+    port = env.integer("MASTER_PORT", minimum=-(1 << 62))  # range checked below, one message
+    if port is not None:
+        if not 1 <= port.value <= 65535:
+            raise EnvError(f"MASTER_PORT must be in 1..65535, got {env.environ['MASTER_PORT']!r}")
+        master_port = port.value
+    elif world.value > 1 and (job := env.integer("SLURM_JOB_ID")) is not None:
+        master_port = _SLURM_PORT_BASE + job.value % _SLURM_PORT_SPAN
+    elif world.value == 1:
+        master_port = 0
+    else:
+        raise EnvError(
+            f"MASTER_PORT is not set (needed with {world.var}={world.value} > 1: the store's "
+            "port, the same on every rank, e.g. 29500)"
+        )
+
+    return EnvConfig(
+        rank=rank_val.value,
+        world_size=world.value,
+        local_rank=local_rank.value,
+        local_world_size=local_world.value,
+        master_addr=master_addr,
+        master_port=master_port,
+        source=source,
+    )
+
+
+def parse_init_method(init_method: str) -> tuple[str, InitAddress]:
+    """Split an init method URL into its kind and the store's address.
+
+    Args:
+        init_method: ``"env://"`` or ``"tcp://HOST:PORT"`` (IPv6 hosts in brackets).
+
+    Returns:
+        ``("env", InitAddress("", 0))`` or ``("tcp", InitAddress(host, port))``. With tcp://,
+        rank and world size still come from arguments or the environment.
+
+    Raises:
+        EnvError: any other scheme, or a tcp:// URL without a valid host and port.
+    """
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method must be a str, got {type(init_method).__name__}")
+    text = init_method.strip()
+    if text in ("env://", "env:"):
+        return "env", InitAddress("", 0)
+    if text.lower().startswith("tcp://"):
+        parts = urlsplit(text)
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise EnvError(
+                f"init_method {init_method!r}: the port must be an integer in 0..65535"
+            ) from exc
+        host = parts.hostname
+        extra = parts.path.strip("/") or parts.query or parts.fragment or parts.username
+        if not host or port is None or extra:
+            raise EnvError(
+                f"init_method {init_method!r} is not of the form 'tcp://HOST:PORT' "
+                "(e.g. 'tcp://10.0.0.1:29500', 'tcp://[::1]:29500')"
+            )
+        if port == 0:
+            raise EnvError(f"init_method {init_method!r}: port 0 cannot be shared by all ranks")
+        return "tcp", InitAddress(_check_host("init_method host", host), port)
+    raise EnvError(
+        f"unsupported init_method {init_method!r}: supported are 'env://' (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT, ... or SLURM's / Open MPI's variables) and "
+        "'tcp://HOST:PORT'"
+    )
+
+
+def resolve_init_method(
+    init_method: str = "env://",
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> EnvConfig:
+    """The configuration for ``init_process_group(init_method=..., rank=..., world_size=...)``.
+
+    ``env://`` is :func:`read_env`. ``tcp://HOST:PORT`` takes the store's address from the URL
+    (replacing MASTER_ADDR/MASTER_PORT) and requires rank and world size from the arguments
+    or a launcher's variables.
+
+    Raises:
+        EnvError: as :func:`parse_init_method` and :func:`read_env`, or tcp:// without a rank
+            and world size.
+    """
+    kind, address = parse_init_method(init_method)
+    base = dict(os.environ if environ is None else environ)
+    if kind == "env":
+        return read_env(base, rank=rank, world_size=world_size)
+    base["MASTER_ADDR"], base["MASTER_PORT"] = address.host, str(address.port)
+    config = read_env(base, rank=rank, world_size=world_size)
+    if config.source == "default" or (config.source == "args" and None in (rank, world_size)):
+        missing = "rank" if rank is None else "world_size"
+        raise EnvError(
+            f"init_method {init_method!r} needs {missing} (pass rank= and world_size=, or set "
+            "RANK and WORLD_SIZE)"
+        )
+    return config
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_arg(name: str, value: int | None, minimum: int) -> _Val | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise EnvError(f"{name} must be >= {minimum}, got {value}")
+    return _Val(value, name)
+
+
+def _check_host(name: str, host: str) -> str:
+    plain = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not _HOST.fullmatch(plain):
+        raise EnvError(f"{name} must be a host name or IP address, got {host!r}")
+    return plain
+
+
+def _rank_var(launcher: _Launcher) -> str:
+    return {"torchrun": "RANK", "ompi": "OMPI_COMM_WORLD_RANK", "slurm": "SLURM_PROCID"}[
+        launcher.name
+    ]
+
+
+def _world_var(launcher: _Launcher) -> str:
+    return {"torchrun": "WORLD_SIZE", "ompi": "OMPI_COMM_WORLD_SIZE", "slurm": "SLURM_NTASKS"}[
+        launcher.name
+    ]
+
+
+def _ompi(env: _Env) -> _Launcher:
+    return _Launcher(
+        "ompi",
+        env.integer("OMPI_COMM_WORLD_RANK"),
+        env.integer("OMPI_COMM_WORLD_SIZE", 1),
+        env.integer("OMPI_COMM_WORLD_LOCAL_RANK"),
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1),
+    )
+
+
+def _slurm(env: _Env) -> _Launcher:
+    # The step's values (set by srun) describe this launch; the job's may be larger.
+    world = env.integer("SLURM_STEP_NUM_TASKS", 1) or env.integer("SLURM_NTASKS", 1)
+    world = world or env.integer("SLURM_NPROCS", 1)
+    return _Launcher(
+        "slurm",
+        env.integer("SLURM_PROCID"),
+        world,
+        env.integer("SLURM_LOCALID"),
+        _slurm_tasks_here(env),
+    )
+
+
+def _slurm_tasks_here(env: _Env) -> _Val | None:
+    """The number of tasks on this node, from the per-node task counts."""
+    node = env.integer("SLURM_NODEID")
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        raw = env.text(name)
+        if raw is None:
+            continue
+        counts = _parse_tasks_per_node(name, raw)
+        if node is not None:
+            if node.value >= len(counts):
+                raise EnvError(
+                    f"SLURM_NODEID={node.value} but {name}={raw!r} lists {len(counts)} nodes"
+                )
+            return _Val(counts[node.value], name)
+        if len(set(counts)) == 1:
+            return _Val(counts[0], name)
+    return env.integer("SLURM_NTASKS_PER_NODE", 1)
+
+
+def _parse_tasks_per_node(name: str, raw: str) -> list[int]:
+    """``"4(x2),3"`` -> ``[4, 4, 3]``."""
+    counts: list[int] = []
+    for item in raw.split(","):
+        m = _TASKS_ITEM.fullmatch(item.strip())
+        if m is None:
+            raise EnvError(f"{name} must look like '4(x2),3', got {raw!r}")
+        count, repeat = int(m.group(1)), int(m.group(2) or 1)
+        if count < 1 or repeat < 1 or repeat > 1_000_000:
+            raise EnvError(f"{name} must look like '4(x2),3', got {raw!r}")
+        counts.extend([count] * repeat)
+    return counts
+
+
+def _slurm_master(env: _Env) -> str | None:
+    """Rank 0's host in a SLURM job: first host of the node list, else the launch node."""
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        raw = env.text(name)
+        if raw is not None:
+            host = _first_host(raw)
+            if host is not None:
+                return host
+    launch = env.text("SLURM_LAUNCH_NODE_IPADDR")
+    if launch is not None and _HOST.fullmatch(launch):
+        return launch
+    return None
+
+
+def _first_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list (``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``).
+
+    Returns None for anything not of that simple form.
+    """
+    depth = 0
+    end = len(nodelist)
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+
+    def first_of(m: re.Match[str]) -> str:
+        return re.split(r"[-,]", m.group(1), maxsplit=1)[0]
+
+    host = re.sub(r"\[([0-9]+(?:[-,][0-9]+)*)\]", first_of, first)
+    return host if host and _HOST.fullmatch(host) else None
+
+
+def _check_consistent(env: _Env, launchers: list[_Launcher], *, override_rank: bool) -> None:
+    """Torchrun's names must agree with another launcher's that describe the same processes."""
+    primary = launchers[0]
+    if primary.name != "torchrun":
+        # LOCAL_RANK set next to mpirun/srun (e.g. by a wrapper script) must match theirs.
+        own = env.integer("LOCAL_RANK")
+        theirs = primary.local_rank
+        if own is not None and theirs is not None and own.value != theirs.value:
+            _mismatch(own, theirs)
+        return
+    if any(env.text(marker) is not None for marker in _LAUNCHER_MARKERS):
+        # Set by torchrun / collectives.run / spawn: a launcher started inside the other one
+        # (srun ... torchrun, mpirun ... spawn) and its names describe this process.
+        return
+    for other in launchers[1:]:
+        if primary.world is None or other.world is None:
+            continue
+        if other.world.value > primary.world.value:
+            raise EnvError(
+                f"inconsistent launcher variables: {primary.world.var}={primary.world.value} "
+                f"but {other.world.var}={other.world.value} (the {other.name} launcher started "
+                "more processes than WORLD_SIZE counts; unset the stale variables)"
+            )
+        if other.world.value < primary.world.value:
+            continue  # a launcher started inside the other one: torchrun's names win
+        pairs = [(primary.local_rank, other.local_rank), (primary.local_world, other.local_world)]
+        if not override_rank:
+            pairs.insert(0, (primary.rank, other.rank))
+        for mine, theirs in pairs:
+            if mine is not None and theirs is not None and mine.value != theirs.value:
+                _mismatch(mine, theirs)
+
+
+def _mismatch(a: _Val, b: _Val) -> None:
+    raise EnvError(
+        f"inconsistent launcher variables: {a.var}={a.value} but {b.var}={b.value} (both "
+        "describe this process; unset one or make them agree)"
+    )
