@@ -40,6 +40,7 @@ from ._errors import (
 )
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, register_backend
+from ._spawn import Parallel, SpawnContext, SpawnError, spawn
 from ._types import ReduceOp
 from ._work import Work
 
@@ -51,10 +52,13 @@ __all__ = [
     "GroupAbortedError",
     "GroupInfo",
     "NonMemberGroup",
+    "Parallel",
     "PeerFailureError",
     "ProcessGroup",
     "ReduceOp",
     "Request",
+    "SpawnContext",
+    "SpawnError",
     "Work",
     "all_gather",
     "all_gather_object",
@@ -81,4 +85,5 @@ __all__ = [
     "register_backend",
     "send",
     "show_config",
+    "spawn",
 ]

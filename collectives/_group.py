@@ -147,6 +147,7 @@ class ProcessGroup:
             ) from None
 
     def _reduce_op(self, op: str, reduce_op: Any, arr: Any) -> ReduceOp:
+        given = reduce_op  # for the message: the lookup below replaces unknown names by None
         if isinstance(reduce_op, str):
             try:
                 reduce_op = ReduceOp[reduce_op.upper()]
@@ -155,7 +156,7 @@ class ProcessGroup:
         if not isinstance(reduce_op, ReduceOp):
             raise ValueError(
                 f"{self._where(op)}: op must be a ReduceOp (SUM, PROD, MIN, MAX, AVG), "
-                f"got {reduce_op!r}"
+                f"got {given!r}"
             )
         if arr.dtype.kind not in _REDUCIBLE_KINDS:
             raise TypeError(
@@ -394,7 +395,7 @@ class ProcessGroup:
             raise TypeError(f"{self._where('alloc')}: unsupported dtype {dt}")
         seq = self._next("alloc")
         self.backend.executor.drain()
-        return self.backend.alloc(shp, dt, seq)  # type: ignore[no-any-return]
+        return self.backend.alloc(shp, dt, seq)
 
     # ------------------------------------------------------------------ objects
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -404,12 +405,23 @@ class ProcessGroup:
         """
         root = self._group_rank("broadcast_object", src, "src")
         if self.rank == root:
-            payload = _encode_object("broadcast_object", obj)
+            try:
+                payload = _encode_object("broadcast_object", obj)
+            except (TypeError, ValueError):
+                # Tell the other ranks (length -1) so they fail now instead of waiting, until
+                # the timeout, for data that never comes; the root raises its own error.
+                self.broadcast(np.array([-1], dtype=np.int64), src)
+                raise
             n = np.array([len(payload)], dtype=np.int64)
         else:
             payload = b""
             n = np.zeros(1, dtype=np.int64)
         self.broadcast(n, src)
+        if n[0] < 0:
+            raise ValueError(
+                f"{self._where('broadcast_object', self._seq)}: the source rank {src} could not "
+                "encode its value as JSON (it raised TypeError/ValueError there)"
+            )
         buf = np.zeros(int(n[0]), dtype=np.uint8)
         if self.rank == root:
             buf[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -465,6 +477,10 @@ class NonMemberGroup:
     def is_member(self) -> bool:
         """False: this process is not in the group."""
         return False
+
+    def destroy(self) -> None:
+        """Nothing to release. Every rank may call ``destroy_process_group(g)`` on the group it
+        got from ``new_group``; refusing it here (like the collectives) broke that idiom."""
 
     def __getattr__(self, name: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:

@@ -66,6 +66,7 @@ _HALF = 0x80000000
 
 # Header layout (bytes).
 _W_CTR, _W_SLEEP, _W_ABORT, _W_PID = 0, 1, 2, 3  # word indexes of the first four u32
+_ABORT_TIMEOUT = 2  # _W_ABORT value of a rank that timed out (1: any other failure)
 _H_SIG = 64
 _SIG_BYTES = 128
 _H_REASON = _H_SIG + 2 * _SIG_BYTES
@@ -328,6 +329,15 @@ class CpuBackend(Backend):
         for q, peer in enumerate(self.peers):
             if q != self.me and peer.hdr[_W_ABORT]:
                 raw = peer.reason.tobytes().split(b"\0", 1)[0].decode("utf-8", "replace")
+                if peer.hdr[_W_ABORT] == _ABORT_TIMEOUT:
+                    # A peer that gave up first is no failure of that peer: every rank waiting
+                    # on the missing ranks must see the timeout error it documents.
+                    raise CollectiveTimeoutError(
+                        self._where(req) + f": rank {self.info.ranks[q]} timed out: {raw}",
+                        rank=self.info.global_rank,
+                        op=req.op,
+                        seq=req.seq,
+                    )
                 raise PeerFailureError(
                     self._where(req) + f": rank {self.info.ranks[q]} failed: {raw}",
                     rank=self.info.global_rank,
@@ -370,10 +380,12 @@ class CpuBackend(Backend):
 
     def abort(self, reason: CollectiveError) -> None:
         """Record the failure and tell the peers (they fail instead of waiting)."""
+        first = self.error is None
         super().abort(reason)
-        if self._closed:
-            return
-        _set_abort(self, str(reason))
+        if self._closed or not first:
+            return  # peers know the first failure; a later GroupAbortedError must not mask it
+        kind = _ABORT_TIMEOUT if isinstance(reason, CollectiveTimeoutError) else 1
+        _set_abort(self, str(reason), kind)
 
     # ------------------------------------------------------------------ signatures
     def _signature(self, req: Request, loc: tuple[int, int, int, int] = _NO_LOC) -> bytes:
@@ -435,6 +447,10 @@ class CpuBackend(Backend):
         post = self._post(sig)
         self._wait_all(post, req)
         self._check_signatures(req, post, sig)
+        # A rank arriving after its peers gave up (timeout) finds their posts: without this it
+        # would "complete" a collective that failed everywhere else (signatures first, so a
+        # mismatch is still reported as one on every rank).
+        self._check_aborts(req)
         return post
 
     def _phase(self, req: Request) -> None:
@@ -508,7 +524,7 @@ class CpuBackend(Backend):
             par = self._next_slot()
             bounds = self._slices(m)
             chunk = flat[start : start + m]
-            slot = self.mine.slots[par].view(dt)[:m] if m else None
+            slot = self.mine.slots[par].view(dt)[:m]
             # Peers read every slice but this rank's own; copy those only.
             for q, (lo, hi) in enumerate(bounds):
                 if q != me and hi > lo:
@@ -812,11 +828,11 @@ def _host_id() -> str:
     return f"{os.uname().nodename}/{boot}"
 
 
-def _set_abort(backend: CpuBackend, reason: str) -> None:
+def _set_abort(backend: CpuBackend, reason: str, kind: int = 1) -> None:
     data = reason.encode("utf-8", "replace")[: _REASON_BYTES - 1] + b"\0"
     mine = backend.mine
     mine.reason[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-    mine.hdr[_W_ABORT] = 1
+    mine.hdr[_W_ABORT] = kind
     # Wake anyone sleeping on any of this rank's words so they notice now.
     backend.futex.wake(mine.ctr_addr)
     for d in range(backend.n):

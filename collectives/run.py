@@ -1,0 +1,561 @@
+"""Launcher: ``python -m collectives.run [options] script.py args...`` (or ``-m module``).
+
+Starts ``--nproc-per-node`` worker processes with the environment torchrun gives (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK, MASTER_ADDR, MASTER_PORT, and
+DPT_RUN_ID), so ``init_process_group()`` needs no arguments. On one node a free port on
+127.0.0.1 is chosen automatically. When GPUs are visible, each local rank sees exactly one
+(CUDA_VISIBLE_DEVICES), so in a worker the rank's GPU is ``cuda:0``.
+
+Failure policy: when the first worker exits non-zero or dies by a signal, every other worker's
+process group gets SIGTERM, then SIGKILL after ``--grace-period`` seconds; the launcher prints
+which rank failed first, how, and that rank's own traceback (from the error file its excepthook
+wrote, else from the tail of its stderr), and exits with its exit code (128 + N for signal N).
+SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to the workers the same way; a
+second one kills them at once. Workers get SIGKILL if the launcher itself dies (Linux).
+
+Workers' stdout is inherited; their stderr goes through the launcher unchanged (raw bytes, so
+``\\r`` progress bars still work), keeping the last 64 KiB per rank for the report.
+
+Example:
+    python -m collectives.run --nproc-per-node 4 train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from ._errorfile import ERROR_FILE_ENV, extract_traceback, read_error_file
+from ._spawn import (
+    DEFAULT_GRACE_PERIOD,
+    Failure,
+    describe_others,
+    exit_status,
+    format_failure,
+    free_port,
+    gpu_assignment,
+    load_prctl,
+    new_run_id,
+    pick_first,
+    rank_env,
+    set_parent_death_signal,
+    shutdown,
+    signal_group,
+    signal_name,
+    thread_env,
+)
+
+__all__ = ["LaunchConfig", "main"]
+
+PROG = "collectives.run"
+TAIL_BYTES = 64 * 1024
+_POLL_S = 0.05
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What to start and where it sits in the job.
+
+    Attributes:
+        target: the script path, or the module name when ``module`` is True.
+        target_args: its command-line arguments.
+        module: run ``python -m target`` instead of a script.
+        nproc_per_node: workers on this node.
+        nnodes: nodes in the job (each runs one launcher with the same ``nproc_per_node``).
+        node_rank: this node's index; its workers get ranks ``node_rank * nproc_per_node + i``.
+        master_addr: rank 0's host.
+        master_port: rank 0's store port.
+        grace_period: seconds between SIGTERM and SIGKILL when ending workers.
+        run_id: the job's id (DPT_RUN_ID).
+    """
+
+    target: str
+    target_args: tuple[str, ...]
+    module: bool
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    grace_period: float
+    run_id: str
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass
+class _Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    error_file: Path
+    fd: int | None
+    tail: bytearray = field(default_factory=bytearray)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {PROG}",
+        description="Start one worker process per rank with a torchrun-compatible "
+        "environment; end them all and report the failed rank's traceback on the first "
+        "failure.",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=_positive_int,
+        default=1,
+        help="workers to start on this node (default 1)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=1,
+        help="nodes in the job; each runs this launcher (default 1)",
+    )
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="this node's index in [0, nnodes) (default 0)",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        help="rank 0's host (default 127.0.0.1 on one node; required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="rank 0's store port (default: a free port on one node; required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="one node with a free port (the default when --nnodes is 1; for torchrun scripts)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restarts after a failure; only 0 is supported",
+    )
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD,
+        help=f"seconds between SIGTERM and SIGKILL when ending workers (default "
+        f"{DEFAULT_GRACE_PERIOD:g})",
+    )
+    p.add_argument("--run-id", "--run_id", default=None, help="job id exported as DPT_RUN_ID")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module, like `python -m`",
+    )
+    p.add_argument("target", metavar="script.py|module", help="the training script or module")
+    p.add_argument("target_args", metavar="args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Turn the command line into a :class:`LaunchConfig` (exits with status 2 on bad input)."""
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.max_restarts != 0:
+        parser.error("--max-restarts: only 0 is supported (the job ends on the first failure)")
+    if not ns.grace_period >= 0:
+        parser.error(f"--grace-period must be >= 0, got {ns.grace_period}")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(f"--node-rank must be in [0, {ns.nnodes}), got {ns.node_rank}")
+    if ns.master_port is not None and not 0 < ns.master_port < 65536:
+        parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
+    if ns.nnodes > 1:
+        if ns.standalone:
+            parser.error("--standalone means one node; it cannot be used with --nnodes > 1")
+        if ns.master_addr is None or ns.master_port is None:
+            parser.error(
+                "--nnodes > 1 needs --master-addr and --master-port (rank 0's host and a port "
+                "that every node can reach)"
+            )
+    addr = ns.master_addr or "127.0.0.1"
+    port = ns.master_port if ns.master_port is not None else free_port("127.0.0.1")
+    return LaunchConfig(
+        target=ns.target,
+        target_args=tuple(ns.target_args),
+        module=ns.module,
+        nproc_per_node=ns.nproc_per_node,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=addr,
+        master_port=port,
+        grace_period=float(ns.grace_period),
+        run_id=ns.run_id or new_run_id(),
+    )
+
+
+class _Signals:
+    """Records SIGINT/SIGTERM/SIGHUP sent to the launcher; the main loop acts on them."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def install(self) -> None:
+        for sig in _FORWARDED_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread: leave signals to the caller
+                return
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+
+
+class _Launcher:
+    def __init__(self, cfg: LaunchConfig, out: IO[bytes] | None = None) -> None:
+        self.cfg = cfg
+        self.out = out if out is not None else _stderr_bytes()
+        self.workers: list[_Worker] = []
+        self.selector = selectors.DefaultSelector()
+        self.signals = _Signals()
+        self.host = socket.gethostname()
+        self._at_line_start = True  # whether the forwarded stderr ended with a newline
+        self._signals_handled = 0  # launcher signals already acted on; one more means SIGKILL
+
+    # ------------------------------------------------------------------ output
+    def _say(self, text: str) -> None:
+        if not self._at_line_start:  # do not glue the report onto a progress bar
+            text = "\n" + text
+            self._at_line_start = True
+        try:
+            self.out.write(text.encode("utf-8", errors="replace"))
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _drain(self, timeout: float) -> None:
+        """Forward whatever the workers wrote to stderr, waiting up to ``timeout`` for some."""
+        if not self.selector.get_map():
+            if timeout > 0:
+                time.sleep(timeout)
+            return
+        for key, _ in self.selector.select(timeout):
+            worker: _Worker = key.data
+            try:
+                chunk = os.read(key.fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._close_fd(worker)
+                continue
+            # Raw bytes, chunk by chunk: "\r" progress bars and partial lines pass unchanged.
+            try:
+                self.out.write(chunk)
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone; keep the tail for the report anyway
+            self._at_line_start = chunk.endswith(b"\n")
+            worker.tail += chunk
+            if len(worker.tail) > TAIL_BYTES:
+                del worker.tail[:-TAIL_BYTES]
+
+    def _drain_all(self, rounds: int = 50) -> None:
+        """Read what is already in the pipes (without waiting for late writers)."""
+        for _ in range(rounds):
+            if not self.selector.get_map() or not self.selector.select(0):
+                return
+            self._drain(0)
+
+    def _close_fd(self, worker: _Worker) -> None:
+        if worker.fd is not None:
+            self.selector.unregister(worker.fd)
+            os.close(worker.fd)
+            worker.fd = None
+
+    # ------------------------------------------------------------------ start
+    def _start(self, errdir: Path, gpus: list[str] | None) -> None:
+        cfg = self.cfg
+        python = [sys.executable, "-u"]
+        cmd = [*python, "-m", cfg.target] if cfg.module else [*python, cfg.target]
+        cmd += list(cfg.target_args)
+        base = dict(os.environ)
+        base.update(thread_env(base, cfg.nproc_per_node))
+        parent = os.getpid()
+        load_prctl()  # now, not between fork and exec
+
+        def child_setup() -> None:
+            # Runs in the child between fork and exec: die with the launcher, never orphaned.
+            set_parent_death_signal(signal.SIGKILL, parent)
+
+        for local_rank in range(cfg.nproc_per_node):
+            rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+            env = dict(base)
+            env.update(
+                rank_env(
+                    rank=rank,
+                    world_size=cfg.world_size,
+                    local_rank=local_rank,
+                    local_world_size=cfg.nproc_per_node,
+                    node_rank=cfg.node_rank,
+                    nnodes=cfg.nnodes,
+                    master_addr=cfg.master_addr,
+                    master_port=cfg.master_port,
+                    run_id=cfg.run_id,
+                )
+            )
+            error_file = errdir / f"rank{rank}.json"
+            env[ERROR_FILE_ENV] = str(error_file)
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stderr=subprocess.PIPE,
+                # Own session and process group: the launcher ends a worker together with
+                # everything it started, and a terminal's Ctrl-C reaches only the launcher,
+                # which then ends the workers in order.
+                start_new_session=True,
+                preexec_fn=child_setup,
+            )
+            # Our own descriptor, so closing it can never close a reused number twice.
+            stderr = proc.stderr
+            fd = os.dup(stderr.fileno()) if stderr is not None else os.open(os.devnull, 0)
+            if stderr is not None:
+                stderr.close()
+            os.set_blocking(fd, False)
+            worker = _Worker(rank, local_rank, proc, error_file, fd)
+            self.workers.append(worker)
+            self.selector.register(fd, selectors.EVENT_READ, worker)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        cfg = self.cfg
+        try:
+            gpus = gpu_assignment(cfg.nproc_per_node, os.environ)
+        except ValueError as exc:
+            self._say(f"{PROG}: error: {exc}\n")
+            return 2
+        errdir = Path(tempfile.mkdtemp(prefix="dpt-run-"))
+        self.signals.install()
+        try:
+            try:
+                self._start(errdir, gpus)
+            except OSError as exc:
+                self._say(f"{PROG}: error: could not start rank {len(self.workers)}: {exc}\n")
+                return 1
+            return self._monitor()
+        finally:
+            # Whatever happened (even an error in the launcher), no worker outlives it.
+            if self.workers:
+                shutdown(self.workers, min(cfg.grace_period, 1.0), wait=self._drain)
+            self._drain_all()
+            for w in self.workers:
+                self._close_fd(w)
+            self.selector.close()
+            self.signals.restore()
+            shutil.rmtree(errdir, ignore_errors=True)
+
+    def _monitor(self) -> int:
+        while True:
+            if self.signals.received:
+                return self._on_signal(self.signals.received[0])
+            # Exit codes first, output second: a worker's last words are in the pipe by the
+            # time its exit is seen, so the drain below has them for the report.
+            returncodes = [w.poll() for w in self.workers]
+            self._drain(_POLL_S)
+            failed = [w for w, rc in zip(self.workers, returncodes, strict=True) if rc]
+            if failed:
+                self._drain_all()
+                return self._on_failure(failed)
+            if all(rc == 0 for rc in returncodes):
+                self._drain_all()
+                return 0
+
+    def _failure_of(self, w: _Worker) -> Failure:
+        rc = w.proc.returncode
+        record = read_error_file(w.error_file)
+        if record is not None:
+            t = record.get("time")
+            return Failure(
+                rank=w.rank,
+                returncode=rc,
+                exc_type=record["exc_type"],
+                message=record["message"],
+                traceback=record["traceback"],
+                traceback_source="its error file",
+                time=float(t) if isinstance(t, int | float) else None,
+            )
+        text = w.tail.decode("utf-8", errors="replace")
+        tb = extract_traceback(text)
+        if tb is not None:
+            exc_type = message = None
+            last = tb.rstrip().splitlines()[-1].strip()
+            m = _EXC_LINE.match(last)
+            if m:
+                exc_type, message = m.group(1), m.group(2) or ""
+            return Failure(
+                rank=w.rank,
+                returncode=rc,
+                exc_type=exc_type,
+                message=message,
+                traceback=tb,
+                traceback_source="its stderr",
+            )
+        note = "no traceback: it wrote no error file and no Python traceback to stderr"
+        if rc is not None and rc < 0:
+            note = f"no traceback: it was {_killed(rc)} before it could write one"
+            if rc == -signal.SIGKILL:
+                note += " (out of memory? check `dmesg`)"
+        last_lines = text.rstrip().splitlines()[-10:]
+        if last_lines:
+            note += "\nlast lines of its stderr:\n" + "\n".join("  " + ln for ln in last_lines)
+        return Failure(rank=w.rank, returncode=rc, note=note)
+
+    def _on_failure(self, failed: list[_Worker]) -> int:
+        cfg = self.cfg
+        first = pick_first([self._failure_of(w) for w in failed])
+        self._signals_handled = len(self.signals.received)
+        endings = shutdown(self.workers, cfg.grace_period, wait=self._wait_escalating)
+        self._drain_all()
+        worker = next(w for w in self.workers if w.rank == first.rank)
+        where = f"; local rank {worker.local_rank} on {self.host}, pid {worker.pid}"
+        others = describe_others(
+            [w.rank for w in self.workers],
+            [w.proc.returncode for w in self.workers],
+            endings,
+            first.rank,
+            cfg.grace_period,
+        )
+        rc = first.returncode if first.returncode is not None else 1
+        code = exit_status(rc)
+        self._report(
+            "job failed",
+            f"{format_failure(first, cfg.world_size, where)}\n"
+            f"other ranks on this node: {others}\n"
+            f"{PROG} exits with code {code}",
+        )
+        return code
+
+    def _on_signal(self, sig: int) -> int:
+        cfg = self.cfg
+        self._say(
+            f"{PROG}: received {signal_name(sig)}; sending it to the workers (SIGKILL after "
+            f"{cfg.grace_period:g} s, or at once on a second signal)\n"
+        )
+        self._signals_handled = len(self.signals.received)
+        endings = shutdown(self.workers, cfg.grace_period, sig=sig, wait=self._wait_escalating)
+        self._drain_all()
+        parts = []
+        for w, ending in zip(self.workers, endings, strict=True):
+            rc = w.proc.returncode
+            if ending.killed:
+                state = "killed by SIGKILL"
+            elif rc is None:
+                state = "still running"
+            elif rc < 0:
+                state = _killed(rc)
+            else:
+                state = f"exited with code {rc}"
+            parts.append(f"rank {w.rank} {state}")
+        code = 128 + sig
+        self._report(
+            "job interrupted",
+            f"{PROG} received {signal_name(sig)}; ranks: {'; '.join(parts)}\n"
+            f"{PROG} exits with code {code}",
+        )
+        return code
+
+    def _wait_escalating(self, seconds: float) -> None:
+        """Drain output while waiting; a further signal to the launcher means SIGKILL now."""
+        if len(self.signals.received) > self._signals_handled:
+            for w in self.workers:
+                signal_group(w, signal.SIGKILL)
+        self._drain(seconds)
+
+    def _report(self, title: str, body: str) -> None:
+        bar = "=" * 80
+        head = f" {PROG}: {title} ".center(80, "=")
+        self._say(f"{head}\n{body.rstrip()}\n{bar}\n")
+
+
+def _killed(rc: int) -> str:
+    return f"killed by {signal_name(-rc)}"
+
+
+def _stderr_bytes() -> IO[bytes]:
+    buffer = getattr(sys.stderr, "buffer", None)
+    if buffer is not None:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        return buffer
+    return os.fdopen(os.dup(2), "wb", buffering=0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher.
+
+    Args:
+        argv: the arguments after ``python -m collectives.run`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when every worker exited 0; the first failed worker's exit code (128 + N when it died
+        by signal N); 128 + N when the launcher got signal N; 2 for a usage error.
+    """
+    cfg = parse_args(argv)
+    return _Launcher(cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
