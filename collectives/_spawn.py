@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, overload
 
+from .backends._shm import remove_run_segments
+
 __all__ = [
     "ALLOW_SHARED_GPU_ENV",
     "Parallel",
@@ -542,6 +544,7 @@ class SpawnContext:
     _states: list[_RankState] = field(repr=False)
     _results: list[Any] | None = field(default=None, repr=False)
     _done: bool = field(default=False, repr=False)
+    run_id: str = ""
 
     def pids(self) -> list[int]:
         """The process id of each rank."""
@@ -659,6 +662,8 @@ class SpawnContext:
                 state.conn = None
         for p in self.processes:
             p.join(timeout=1.0)
+        if self.run_id:
+            remove_run_segments(self.run_id)
 
     def _fail(self, first: Failure) -> None:
         children = [_MPChild(p) for p in self.processes]
@@ -836,7 +841,9 @@ def spawn(
             if s.conn is not None:
                 s.conn.close()
         raise
-    context = SpawnContext(processes=processes, grace_period=grace_period, _states=states)
+    context = SpawnContext(
+        processes=processes, grace_period=grace_period, _states=states, run_id=run_id
+    )
     if not join:
         return context
     try:

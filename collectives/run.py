@@ -58,6 +58,7 @@ from ._spawn import (
     signal_name,
     thread_env,
 )
+from .backends._shm import remove_run_segments
 
 __all__ = ["LaunchConfig", "main"]
 
@@ -404,6 +405,7 @@ class _Launcher:
             self.selector.close()
             self.signals.restore()
             shutil.rmtree(errdir, ignore_errors=True)
+            remove_run_segments(cfg.run_id)
 
     def _monitor(self) -> int:
         while True:

@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import os
 import platform
+import re
 import secrets
 import sys
 from typing import Any
@@ -28,6 +29,29 @@ PREFIX = "dpt-"
 def shm_dir() -> str:
     """Directory that backs POSIX shared memory here."""
     return _SHM_DIR
+
+
+def run_tag(run_id: str | None = None) -> str:
+    """The job part of segment names: DPT_RUN_ID made file-name safe (launchers clean by it)."""
+    raw = os.environ.get("DPT_RUN_ID", "x") if run_id is None else run_id
+    return re.sub(r"[^A-Za-z0-9_]", "_", raw)[:16] or "x"
+
+
+def remove_run_segments(run_id: str) -> None:
+    """Remove the segments a job's ranks left named (a rank killed while setting up).
+
+    Backends unlink each segment as soon as all ranks mapped it, so only a rank that died in
+    between leaves one; the names carry the job's DPT_RUN_ID, so only that job's go.
+    """
+    stem = f"{PREFIX}{run_tag(run_id)}-"
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(stem):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(_SHM_DIR, name))
 
 
 def probe() -> str | None:
@@ -67,8 +91,7 @@ class Segment:
             OSError: when /dev/shm cannot hold it (the message says how much was asked).
         """
         size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-        run = os.environ.get("DPT_RUN_ID", "x")[:16]
-        name = f"{PREFIX}{run}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{PREFIX}{run_tag()}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(_SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
