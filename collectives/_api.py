@@ -216,8 +216,11 @@ def is_initialized() -> bool:
     return _world is not None
 
 
-def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Destroy ``group``, or every group and the store when None (idempotent)."""
+def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
+    """Destroy ``group``, or every group and the store when None (idempotent).
+
+    Every rank may pass what ``new_group`` returned to it (a no-op on non-members).
+    """
     global _world
     with _lock:
         if _world is None:

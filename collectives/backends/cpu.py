@@ -237,12 +237,14 @@ class CpuBackend(Backend):
         store.set(f"{prefix}/{self.me}", f"{seg.name} {host} {layout}")
         keys = [f"{prefix}/{r}" for r in range(self.n)]
         store.wait(keys, info.timeout)
-        out: list[Any] = []
+        # Check every peer's entry before mapping any: a rank that fails the check unlinks its
+        # segment, so a rank that mapped first would report a FileNotFoundError instead.
+        names: dict[int, str] = {}
         for r in range(self.n):
             if r == self.me:
-                out.append(mine[0] if mine else seg)
                 continue
             name, peer_host, peer_layout = store.get(f"{prefix}/{r}").decode().split()
+            names[r] = name
             if peer_layout != layout:
                 raise ValueError(
                     f"[rank {info.global_rank}] rank {info.ranks[r]} uses cpu-backend chunk "
@@ -254,13 +256,54 @@ class CpuBackend(Backend):
                     f"[rank {info.global_rank}] the cpu backend needs every rank on one host, "
                     f"but rank {info.ranks[r]} runs elsewhere; use the mpi or nccl backend"
                 )
-            peer_seg = Segment.attach(name)
-            out.append(_Peer(peer_seg, self) if mine else peer_seg)
-        if store.add(f"{prefix}/mapped", 1) == self.n:
-            store.set(f"{prefix}/all", b"1")
-        store.wait([f"{prefix}/all"], info.timeout)
+        out: list[Any] = []
+        try:
+            for r in range(self.n):
+                if r == self.me:
+                    out.append(mine[0] if mine else seg)
+                    continue
+                peer_seg = Segment.attach(names[r])
+                out.append(_Peer(peer_seg, self) if mine else peer_seg)
+            if store.add(f"{prefix}/mapped", 1) == self.n:
+                store.set(f"{prefix}/all", b"1")
+            self._wait_mapped(store, f"{prefix}/all", out if mine else self.peers)
+        except BaseException:
+            # Only a segment's creator unlinks it after everyone mapped it: a rank that died
+            # here would leave its file in /dev/shm. Every rank knows the names, so remove them
+            # (the setup fails on every rank anyway).
+            for name in names.values():
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(_shm.shm_dir(), name))
+            raise
         seg.unlink()
         return out
+
+    def _wait_mapped(self, store: Any, key: str, peers: list[Any]) -> None:
+        """Wait for ``key`` (every rank mapped every segment), failing fast if a peer died:
+        a plain store wait would sit out the whole group timeout."""
+        info = self.info
+        deadline = time.monotonic() + info.timeout
+        while True:
+            try:
+                store.wait([key], max(0.01, min(0.5, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                pass
+            for q, peer in enumerate(peers):
+                pid = peer.hdr[_W_PID] if isinstance(peer, _Peer) else 0
+                if q != self.me and not _pid_alive(pid):
+                    raise PeerFailureError(
+                        f"[rank {info.global_rank}] cpu backend setup of {info.describe()}: "
+                        f"rank {info.ranks[q]} (pid {pid}) is gone: its process exited or was "
+                        "killed while the group was being set up",
+                        rank=info.global_rank,
+                    )
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"[rank {info.global_rank}] cpu backend setup of {info.describe()}: not "
+                    f"every rank mapped the shared-memory segments within {info.timeout:g} s",
+                    rank=info.global_rank,
+                )
 
     # ------------------------------------------------------------------ synchronization
     def _post(self, sig: bytes | None = None) -> int:
