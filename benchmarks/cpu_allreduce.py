@@ -348,8 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         head += f" | {e + ' us':>12} {'busbw':>6} {'#wrong':>6}"
     for e in names[1:]:
         head += f" | {'vs ' + e:>9}"
-    print(f"all_reduce, {n} ranks, {args.dtype}, busbw in GB/s (algbw * {factor:g}); "
-          "'vs X' = X's time / cpu's time (above 1: cpu is faster)")
+    print(
+        f"all_reduce, {n} ranks, {args.dtype}, busbw in GB/s (algbw * {factor:g}); "
+        "'vs X' = X's time / cpu's time (above 1: cpu is faster)"
+    )
     print(head)
     table = []
     for i, nbytes in enumerate(sweep):
