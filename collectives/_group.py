@@ -57,7 +57,7 @@ class ProcessGroup:
         self.info: GroupInfo = backend.info
         self._seq = 0
         self._p2p: dict[tuple[str, int], int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -191,17 +191,30 @@ class ProcessGroup:
         async_op: bool,
         finalize: Callable[[], Any],
     ) -> Any:
-        work = self.backend.submit(req, async_op)
+        """Queue ``req`` (releasing the lock ``_next`` took), then wait unless async."""
+        try:
+            work = self.backend.submit(req, async_op)
+        finally:
+            self._lock.release()
         work._finalize = lambda _out: finalize()
         if async_op:
             return work
         return work.wait()
 
     def _next(self, op: str) -> int:
-        with self._lock:
+        """Take the group's lock and the next sequence number; ``_submit`` releases the lock.
+
+        Holding it from numbering to queueing keeps queue order equal to sequence order when
+        several threads issue collectives on one group (each rank then sees the same order).
+        """
+        self._lock.acquire()
+        try:
             self._seq += 1
             seq = self._seq
-        self.backend.check_usable(op, seq)
+            self.backend.check_usable(op, seq)
+        except BaseException:
+            self._lock.release()
+            raise
         return seq
 
     @staticmethod
@@ -374,11 +387,16 @@ class ProcessGroup:
         return peer
 
     def _next_p2p(self, op: str, peer: int) -> int:
-        with self._lock:
+        """Like ``_next`` for one peer's send or receive counter (lock released by _submit)."""
+        self._lock.acquire()
+        try:
             key = (op, peer)
             self._p2p[key] = self._p2p.get(key, 0) + 1
             seq = self._p2p[key]
-        self.backend.check_usable(op, seq)
+            self.backend.check_usable(op, seq)
+        except BaseException:
+            self._lock.release()
+            raise
         return seq
 
     # ------------------------------------------------------------------ shared memory
@@ -394,8 +412,11 @@ class ProcessGroup:
         if dt not in DTYPE_CODES:
             raise TypeError(f"{self._where('alloc')}: unsupported dtype {dt}")
         seq = self._next("alloc")
-        self.backend.executor.drain()
-        return self.backend.alloc(shp, dt, seq)
+        try:
+            self.backend.executor.drain()
+            return self.backend.alloc(shp, dt, seq)
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ objects
     def broadcast_object(self, obj: Any, src: int) -> Any:

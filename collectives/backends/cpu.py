@@ -67,6 +67,7 @@ _HALF = 0x80000000
 # Header layout (bytes).
 _W_CTR, _W_SLEEP, _W_ABORT, _W_PID = 0, 1, 2, 3  # word indexes of the first four u32
 _ABORT_TIMEOUT = 2  # _W_ABORT value of a rank that timed out (1: any other failure)
+_ABORT_CLOSED = 3  # the rank destroyed its group: only an error for whoever still waits on it
 _H_SIG = 64
 _SIG_BYTES = 128
 _H_REASON = _H_SIG + 2 * _SIG_BYTES
@@ -363,6 +364,14 @@ class CpuBackend(Backend):
             if _ge(words[idx], target):
                 return
             self._check_aborts(req)
+            if self.peers[q].hdr[_W_ABORT] == _ABORT_CLOSED and not _ge(words[idx], target):
+                raise PeerFailureError(
+                    self._where(req) + f": rank {self.info.ranks[q]} left the group "
+                    "(destroy_process_group) before reaching this collective",
+                    rank=self.info.global_rank,
+                    op=req.op,
+                    seq=req.seq,
+                )
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.2
@@ -372,7 +381,7 @@ class CpuBackend(Backend):
 
     def _check_aborts(self, req: Request) -> None:
         for q, peer in enumerate(self.peers):
-            if q != self.me and peer.hdr[_W_ABORT]:
+            if q != self.me and peer.hdr[_W_ABORT] and peer.hdr[_W_ABORT] != _ABORT_CLOSED:
                 raw = peer.reason.tobytes().split(b"\0", 1)[0].decode("utf-8", "replace")
                 if peer.hdr[_W_ABORT] == _ABORT_TIMEOUT:
                     # A peer that gave up first is no failure of that peer: every rank waiting
@@ -860,6 +869,10 @@ class CpuBackend(Backend):
             return
         self._closed = True
         _LIVE.discard(self)
+        if self.error is None and self.n > 1:
+            # Peers still waiting on this rank fail now instead of at their timeout.
+            with contextlib.suppress(Exception):
+                _set_abort(self, "destroyed its process group", _ABORT_CLOSED)
         for _lo, _hi, _aid, segs in self._allocs:
             for s in segs:
                 s.unlink()

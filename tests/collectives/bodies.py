@@ -986,6 +986,17 @@ def allreduce_until_error(
     return {"type": None, "count": count}
 
 
+def leave_early(leaver: int) -> dict[str, Any]:
+    """Rank ``leaver`` destroys its group (its process stays alive) instead of joining
+    all_reduce #2; the others must fail fast, not at the group timeout."""
+    rank, _ = _world()
+    C.all_reduce(np.ones(4))
+    if rank == leaver:
+        C.destroy_process_group()
+        return {"type": None, "left": True}
+    return _try(lambda: C.all_reduce(np.ones(1000, dtype=np.float32)))
+
+
 def collective_after_peer_death(timeout_hint: float) -> dict[str, Any]:
     """The next collective after a peer died (while idle) fails fast naming it."""
     out = _try(lambda: C.all_reduce(np.ones(1000)))

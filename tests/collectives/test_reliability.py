@@ -123,6 +123,20 @@ def test_timeout_names_op_seq_and_missing_rank(pools: list[RankPool], n: int, sk
         assert "timed out" in rep["message"] and rep["elapsed"] < 1.0, rep
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_rank_leaving_the_group_fails_waiting_peers_fast(pools: list[RankPool], n: int) -> None:
+    pool = launch(pools, n, timeout=LONG)
+    leaver = n - 1
+    got = results(pool.call("bodies:leave_early", {"leaver": leaver}, deadline=60, grace=None))
+    assert got[leaver] == {"type": None, "left": True}
+    for rank in range(n - 1):
+        res = got[rank]
+        assert errtype(res) == "PeerFailureError", res
+        assert f"rank {leaver} left the group" in res["message"], res
+        assert (res["op"], res["seq"]) == ("all_reduce", 2)
+        assert res["elapsed"] < FAST, res["elapsed"]
+
+
 @pytest.mark.slow
 def test_rank_arriving_after_timeout_fails_too(pools: list[RankPool]) -> None:
     """A slow rank that calls the same collective after its peers timed out must not complete
