@@ -1,6 +1,12 @@
-"""ddp: DistributedDataParallel with bucketed, overlapped gradient all-reduce.
+"""ddp: DistributedDataParallel with bucketed, overlapped gradient all-reduce, and helpers."""
 
-This package is being built (see docs/design.md); it exposes no public names yet.
-"""
+from ._ddp import DistributedDataParallel, StepStats
+from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
 
-__all__: list[str] = []
+__all__ = [
+    "DistributedDataParallel",
+    "GradBucket",
+    "StepStats",
+    "allreduce_hook",
+    "fp16_compress_hook",
+]
