@@ -35,6 +35,7 @@ import struct
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -696,51 +697,18 @@ class CpuBackend(Backend):
             if start >= total:
                 return
 
-    def _blocks(self, req: Request) -> tuple[Any, Any, Any]:
+    def _exchange_blocks(self, req: Request) -> Iterator[tuple[int, int, list[Any]]]:
+        """Chunk by chunk, hand block ``j`` of the input (first axis) to rank ``j``.
+
+        Yields ``(start, m, pieces)`` per chunk once every rank posted it: ``pieces[q]`` is
+        elements ``start:start+m`` of the block rank ``q`` holds for this rank (this rank's
+        own block for ``q == me``). The consumer must be done with them before resuming.
+        """
         dt = req.array.dtype
         blocks = req.array.reshape(self.n, -1)
-        out = req.out.reshape(-1)
-        return dt, blocks, out
-
-    def _op_reduce_scatter(self, req: Request) -> None:
-        dt, blocks, out = self._blocks(req)
-        per = max(self.chunk // (self.n * dt.itemsize), 1)
-        total = blocks.shape[1]
-        me, op, n = self.me, req.reduce_op, self.n
-        assert op is not None
-        start = 0
-        first = True
-        while True:
-            m = min(per, total - start)
-            par = self._next_slot()
-            slot = self.mine.slots[par].view(dt)
-            for j in range(n):
-                if j != me and m:
-                    slot[j * per : j * per + m] = blocks[j, start : start + m]
-            if first:
-                self._begin(req)
-                first = False
-            else:
-                self._phase(req)
-            if m:
-                sources = [
-                    blocks[me, start : start + m]
-                    if q == me
-                    else p.slots[par].view(dt)[me * per : me * per + m]
-                    for q, p in enumerate(self.peers)
-                ]
-                _reduce(out[start : start + m], sources, op, n)
-            start += m
-            if start >= total:
-                return
-
-    def _op_all_to_all(self, req: Request) -> None:
-        dt, blocks, out = self._blocks(req)
-        out_blocks = out.reshape(self.n, -1)
         per = max(self.chunk // (self.n * dt.itemsize), 1)
         total = blocks.shape[1]
         me, n = self.me, self.n
-        out_blocks[me] = blocks[me]
         start = 0
         first = True
         while True:
@@ -755,15 +723,31 @@ class CpuBackend(Backend):
                 first = False
             else:
                 self._phase(req)
-            if m:
-                for q, p in enumerate(self.peers):
-                    if q != me:
-                        out_blocks[q, start : start + m] = p.slots[par].view(dt)[
-                            me * per : me * per + m
-                        ]
+            pieces = [
+                blocks[me, start : start + m]
+                if q == me
+                else p.slots[par].view(dt)[me * per : me * per + m]
+                for q, p in enumerate(self.peers)
+            ]
+            yield start, m, pieces
             start += m
             if start >= total:
                 return
+
+    def _op_reduce_scatter(self, req: Request) -> None:
+        out = req.out.reshape(-1)
+        op = req.reduce_op
+        assert op is not None
+        for start, m, pieces in self._exchange_blocks(req):
+            if m:
+                _reduce(out[start : start + m], pieces, op, self.n)
+
+    def _op_all_to_all(self, req: Request) -> None:
+        out_blocks = req.out.reshape(self.n, -1)
+        for start, m, pieces in self._exchange_blocks(req):
+            for q, piece in enumerate(pieces):
+                if m:
+                    out_blocks[q, start : start + m] = piece
 
     # ------------------------------------------------------------------ point to point
     def _op_send(self, req: Request) -> None:
