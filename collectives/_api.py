@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 import platform
@@ -59,6 +61,7 @@ class _World:
 
 _world: _World | None = None
 _lock = threading.RLock()
+_atexit_registered = False
 
 
 def _seconds(timeout: float | datetime.timedelta | None) -> float:
@@ -109,7 +112,7 @@ def init_process_group(
         RuntimeError: if already initialized.
         ValueError: for missing or inconsistent configuration (the error names the variable).
     """
-    global _world
+    global _world, _atexit_registered
     with _lock:
         if _world is not None:
             raise RuntimeError(
@@ -144,6 +147,10 @@ def init_process_group(
             raise
         _world = _World(default=group, env=env, store=store, timeout=seconds)
         _world.groups.append(group)
+        if store is not None and not _atexit_registered:
+            # Ranks that end without destroy_process_group() still tell the store host.
+            atexit.register(destroy_process_group)
+            _atexit_registered = True
         return group
 
 
@@ -233,8 +240,27 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
         for g in reversed(_world.groups):
             g.destroy()
         if _world.store is not None:
+            _leave_store(_world)
             _world.store.close()
         _world = None
+
+
+_STORE_LINGER = 10.0
+
+
+def _leave_store(world: _World) -> None:
+    """Say this rank is done with the store; rank 0, which hosts it, waits (a little) for all.
+
+    Without this, rank 0 could finish (or fail) and close the store while another rank still
+    waits on a key during its own setup, which then fails with a lost connection instead of
+    its real outcome.
+    """
+    env, store = world.env, world.store
+    with contextlib.suppress(Exception):
+        store.set(f"world/left/{env.rank}", b"1")
+        if env.rank == 0:
+            keys = [f"world/left/{r}" for r in range(env.world_size)]
+            store.wait(keys, min(_STORE_LINGER, world.timeout))
 
 
 def get_default_group() -> ProcessGroup:

@@ -1,12 +1,29 @@
-"""ddp: DistributedDataParallel with bucketed, overlapped gradient all-reduce, and helpers."""
+"""ddp: DistributedDataParallel with bucketed, overlapped gradient all-reduce, and helpers.
 
+Helpers in the spirit of PyTorch Ignite's ``idist`` and Horovod: a distributed sampler and
+data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, and rank-0
+atomic checkpoints.
+"""
+
+from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
+from ._checkpoint import load_checkpoint, save_checkpoint
+from ._data import DataLoader
 from ._ddp import DistributedDataParallel, StepStats
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
+from ._sampler import DistributedSampler
 
 __all__ = [
+    "DataLoader",
     "DistributedDataParallel",
+    "DistributedSampler",
     "GradBucket",
     "StepStats",
     "allreduce_hook",
+    "auto_dataloader",
+    "auto_model",
+    "auto_optim",
     "fp16_compress_hook",
+    "load_checkpoint",
+    "one_rank_only",
+    "save_checkpoint",
 ]
