@@ -94,8 +94,10 @@ class DistributedDataParallel(Module):
             default :func:`ddp.allreduce_hook`; :func:`ddp.fp16_compress_hook` halves traffic.
 
     Raises:
-        ValueError: if ranks disagree on parameter names, shapes or dtypes (every rank raises,
-            listing the first differences and the ranks).
+        ValueError: if ranks disagree on parameter or buffer names, shapes, dtypes or
+            requires_grad, or on the bucket sizes, ``find_unused_parameters`` or
+            ``broadcast_buffers`` (every rank raises, listing the first differences and the
+            ranks).
     """
 
     def __init__(
@@ -127,7 +129,16 @@ class DistributedDataParallel(Module):
         self._hook_state: Any = group
         self._require_sync = True
         self._named = list(module.named_parameters())
-        self._check_same_model()
+        # Options that decide which collectives DDP issues must agree too: different bucket
+        # caps make ranks wait for each other's bucket allocations until the group's timeout.
+        self._check_same_model(
+            {
+                "bucket_cap_mb": float(bucket_cap_mb),
+                "first_bucket_mb": float(first_bucket_mb),
+                "find_unused_parameters": bool(find_unused_parameters),
+                "broadcast_buffers": bool(broadcast_buffers),
+            }
+        )
         self._sync_module_state()
         self._build_buckets(bucket_cap_mb, first_bucket_mb)
         self._reset_step()
@@ -137,7 +148,7 @@ class DistributedDataParallel(Module):
         ]
 
     # ------------------------------------------------------------------ setup
-    def _check_same_model(self) -> None:
+    def _check_same_model(self, options: dict[str, Any]) -> None:
         group = self.process_group
         if group.size == 1:
             return
@@ -148,29 +159,47 @@ class DistributedDataParallel(Module):
             ["buffer", n, list(b.shape), str(b.dtype), False]
             for n, b in self.module.named_buffers()
         ]
+        desc += [["option", k, [], str(v), False] for k, v in options.items()]
         text = json.dumps(desc)
         digests = group.all_gather_object([zlib.crc32(text.encode()), len(desc)])
         if all(d == digests[0] for d in digests):
             return
         every = group.all_gather_object(desc)
         ref = {tuple(e[:2]): e for e in every[0]}
-        problems = []
+        problems: list[str] = []
+        r0 = group.ranks[0]
+
+        def what(e: list[Any]) -> str:
+            if e[0] == "option":
+                return str(e[3])
+            # requires_grad is part of the check, so the message must show it when it differs.
+            frozen = "" if e[0] != "param" or e[4] else " requires_grad=False"
+            return f"shape {tuple(e[2])} {e[3]}{frozen}"
+
         for r, theirs in enumerate(every[1:], start=1):
             mine = {tuple(e[:2]): e for e in theirs}
             global_r = group.ranks[r]
+            before = len(problems)
             for key in ref:
                 if key not in mine:
-                    problems.append(f"rank {global_r} lacks {key[0]} {key[1]!r}")
+                    problems.append(f"rank {global_r} lacks {key[0]} {key[1]!r} (rank {r0} has it)")
                 elif mine[key] != ref[key]:
                     a, b = ref[key], mine[key]
-                    r0 = group.ranks[0]
                     problems.append(
-                        f"{key[0]} {key[1]!r}: rank {r0} has shape {tuple(a[2])} {a[3]}, "
-                        f"rank {global_r} has shape {tuple(b[2])} {b[3]}"
+                        f"{key[0]} {key[1]!r}: rank {r0} has {what(a)}, "
+                        f"rank {global_r} has {what(b)}"
                     )
             problems += [
-                f"rank {global_r} has an extra {k[0]} {k[1]!r}" for k in mine if k not in ref
+                f"rank {global_r} has an extra {k[0]} {k[1]!r} (not on rank {r0})"
+                for k in mine
+                if k not in ref
             ]
+            if len(problems) == before and theirs != every[0]:
+                # Same entries in another order: buckets would pair up different parameters.
+                problems.append(
+                    f"rank {global_r} registers its parameters/buffers in another order than "
+                    f"rank {r0}: {[e[1] for e in theirs][:6]} vs {[e[1] for e in every[0]][:6]}"
+                )
         shown = "; ".join(problems[:8]) + (
             f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""
         )
@@ -197,7 +226,9 @@ class DistributedDataParallel(Module):
             start = 0
             for t in ts:
                 n = t.data.size
-                t.data.reshape(-1)[...] = flat[start : start + n]
+                # Assign through the array's own shape: reshape(-1) of a non-contiguous array (a
+                # Parameter made from a transpose) is a copy, and the write would be lost.
+                t.data[...] = flat[start : start + n].reshape(t.data.shape)
                 start += n
 
     def _build_buckets(self, cap_mb: float, first_mb: float) -> None:
@@ -235,9 +266,12 @@ class DistributedDataParallel(Module):
             b.buffer = buf
             for j, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
                 view = Tensor._wrap(buf[off : off + p.size].reshape(p.shape), b.device)
+                # An existing gradient moves into its bucket; a missing one stays None (as in
+                # a plain model, so an optimizer step before any backward changes nothing)
+                # until backward produces it and the hook moves it into the view.
                 if p.grad is not None:
                     view.data[...] = p.grad.data
-                p.grad = view
+                    p.grad = view
                 b.views.append(view)
                 self._loc[id(p)] = (b.index, j)
         self._buckets = buckets
@@ -246,6 +280,7 @@ class DistributedDataParallel(Module):
     def _reset_step(self) -> None:
         self._pending = [len(b.params) for b in self._buckets]
         self._used = np.zeros(len(self._params), dtype=bool)
+        self._accumulated = np.zeros(len(self._params), dtype=bool)
         self._works: list[Work | None] = [None] * len(self._buckets)
         self._next = 0
         self._in_backward = False
@@ -280,7 +315,15 @@ class DistributedDataParallel(Module):
         if self.broadcast_buffers and self.process_group.size > 1:
             bufs = [b for _, b in self.module.named_buffers()]
             for b in bufs:
-                self.process_group.broadcast(b.data, src=self.process_group.ranks[0])
+                data = b.data
+                if data.flags.c_contiguous:
+                    self.process_group.broadcast(data, src=self.process_group.ranks[0])
+                else:
+                    # Collectives take contiguous arrays only; a transposed buffer goes through
+                    # a contiguous copy.
+                    tmp = b.device.xp.ascontiguousarray(data)
+                    self.process_group.broadcast(tmp, src=self.process_group.ranks[0])
+                    data[...] = tmp
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self, p: Any) -> None:
@@ -293,6 +336,9 @@ class DistributedDataParallel(Module):
             view.data[...] = p._grad.data
             p._grad = view
         if not self._require_sync:
+            # Remember it: a parameter used only in no_sync backwards still has a gradient to
+            # reduce, so find_unused_parameters must not count it as unused (and drop it).
+            self._accumulated[self._index[id(p)]] = True
             return
         if not self._in_backward:
             self._in_backward = True
@@ -339,7 +385,7 @@ class DistributedDataParallel(Module):
         )
         control[0] = len(missing)
         if self.find_unused_parameters:
-            control[1:] = self._used
+            control[1:] = self._used | self._accumulated
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:

@@ -27,8 +27,12 @@ from typing import Any, TextIO
 
 def _resolve(spec: str) -> Callable[..., Any]:
     module, _, name = spec.partition(":")
-    if not module.startswith("tests.collectives.") or not name:
-        raise ValueError(f"refusing to call {spec!r}: only tests.collectives.<module>:<fn>")
+    # tests/ddp reuses this harness for its multi-rank bodies.
+    if not module.startswith(("tests.collectives.", "tests.ddp.")) or not name:
+        raise ValueError(
+            f"refusing to call {spec!r}: only tests.collectives.<module>:<fn> or "
+            "tests.ddp.<module>:<fn>"
+        )
     fn = getattr(importlib.import_module(module), name)
     if not callable(fn):
         raise TypeError(f"{spec} is not callable")
