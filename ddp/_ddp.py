@@ -121,7 +121,13 @@ class DistributedDataParallel(Module):
                 f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
                 f"first_bucket_mb={first_bucket_mb}"
             )
+        if getattr(module, "_wrapped_by_ddp", False):
+            raise ValueError(
+                "this module is already wrapped in a DistributedDataParallel (its gradient hooks "
+                "would fire twice); wrap it once"
+            )
         self.module = module
+        object.__setattr__(module, "_wrapped_by_ddp", True)
         object.__setattr__(self, "process_group", group)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers

@@ -401,3 +401,19 @@ def test_rank_killed_mid_backward_fails_the_others_fast(
         # Within seconds, far from the group's 20 s timeout.
         assert res["after_s"] < 10.0, f"rank {rep.rank}: {res}"
         assert f"rank {victim}" in res["message"].split("] ", 1)[1], res
+
+
+def test_wrapping_a_module_twice_is_refused() -> None:
+    import collectives
+    from ddp import DistributedDataParallel
+    from tensorlib import nn
+
+    created = not collectives.is_initialized()
+    try:
+        model = nn.Linear(3, 2)
+        DistributedDataParallel(model)
+        with pytest.raises(ValueError, match="already wrapped"):
+            DistributedDataParallel(model)
+    finally:
+        if created:
+            collectives.destroy_process_group()
