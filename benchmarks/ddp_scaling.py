@@ -1,0 +1,554 @@
+"""DDP training step at 1 and 2 ranks on the cpu backend: scaling, waiting and bucket sizes.
+
+    python -m benchmarks.ddp_scaling                       # wide MLP, per-rank batch 8
+    python -m benchmarks.ddp_scaling --json ddp.json
+    python -m benchmarks.ddp_scaling --width 2048 --depth 4 --batch 16 --bucket-cap-mb 8
+    .venv-bench/bin/python -m benchmarks.ddp_scaling       # + torch DDP (gloo), same shapes
+
+Weak scaling at equal per-rank batch: a step is forward, cross-entropy, backward (which, under
+DDP, returns once every gradient is averaged) and SGD with momentum. Two ranks are started
+once (``collectives.spawn``) with one BLAS/OpenMP thread each (set in their environment
+before NumPy loads, checked with threadpoolctl when installed), and alternate in rounds
+(in an order rotated every round, so that a noisy neighbour hits all alike) between:
+
+- 1 rank: rank 0 alone trains the plain model, then the same model under DDP at world size 1
+  (a one-rank group: no communication), while rank 1 waits at a barrier;
+- 2 ranks, no comm: both train the plain model at once without communicating. This is the
+  machine's own limit: what two processes cost each other in cores, caches and memory
+  bandwidth (and what other tenants take), with no DDP at all;
+- 2 ranks, DDP: both train the model under DDP over the cpu backend;
+- comm: an all-reduce of buckets of exactly DDP's sizes with nothing else running (what
+  communication costs when nothing overlaps it).
+
+Reported per configuration (medians over the timed steps; at 2 ranks the slower rank's):
+forward, backward (including DDP's wait), ``stats.wait_s`` (how long the end of backward
+waited for communication), optimizer and whole-step times. Then the bucket sizes, the
+standalone all-reduce as a share of the 1-rank backward, how much of it the 2-rank backward
+still waited for, and the scaling efficiency (1-rank step / 2-rank step) against the target
+2-rank step <= 1.10x the 1-rank step, split into the machine's part (no comm / 1 rank) and
+DDP's part (DDP / no comm).
+
+With torch importable (``.venv-bench``), the same protocol runs again with torch eager and
+torch DDP over gloo on the same shapes, and the two are shown side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import collectives
+
+# One BLAS/OpenMP thread per rank. The ranks are fresh processes (spawn start method) that
+# inherit the parent's environment, so main() sets these before starting them and each rank's
+# NumPy/torch reads them when it loads.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+TARGET = 1.10  # the 2-rank step may take at most this multiple of the 1-rank step
+_KEYS = ("fwd", "bwd", "wait", "opt", "step")
+
+
+@dataclass
+class Config:
+    """The benchmark's parameters (they travel to the ranks)."""
+
+    width: int = 1024
+    depth: int = 8
+    batch: int = 8
+    classes: int = 10
+    steps: int = 20
+    rounds: int = 4
+    warmup: int = 5
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    seed: int = 0
+    switch_interval: float | None = None  # sys.setswitchinterval in each rank (GIL hand-off)
+
+    def dims(self) -> list[int]:
+        """Layer sizes: ``depth`` square hidden layers of ``width``, then the classes."""
+        return [self.width] * (self.depth + 1) + [self.classes]
+
+
+def thread_report() -> dict[str, Any]:
+    """BLAS/OpenMP thread counts as threadpoolctl sees them, else the environment's word."""
+    env = {v: os.environ.get(v) for v in THREAD_VARS}
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return {"checked": False, "env": env}
+    pools = [
+        {"api": p.get("internal_api"), "threads": p.get("num_threads")} for p in threadpool_info()
+    ]
+    return {"checked": True, "env": env, "pools": pools}
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------------------- tensorlib
+class _TlRunner:
+    """Plain, DDP-at-world-size-1 and DDP-at-2-ranks tensorlib models in one rank."""
+
+    def __init__(self, cfg: Config) -> None:
+        import tensorlib as tl
+        import tensorlib.functional as F
+        from ddp import DistributedDataParallel
+        from tensorlib import nn, optim
+
+        self.tl, self.F = tl, F
+        self.rank = collectives.get_rank()
+        dims = cfg.dims()
+
+        def mlp() -> Any:
+            tl.manual_seed(cfg.seed)
+            layers: list[Any] = []
+            for i in range(len(dims) - 1):
+                layers.append(nn.Linear(dims[i], dims[i + 1]))
+                if i < len(dims) - 2:
+                    layers.append(nn.ReLU())
+            return nn.Sequential(*layers)
+
+        def sgd(m: Any) -> Any:
+            return optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+
+        # Every rank must create the group; only rank 0 is in it (a serial, one-rank group).
+        solo = collectives.new_group([0])
+        self.models: dict[str, tuple[Any, Any]] = {}
+        plain = mlp()  # every rank: the 2-rank phase without communication needs it too
+        self.models["plain"] = (plain, sgd(plain))
+        if self.rank == 0:
+            assert isinstance(solo, collectives.ProcessGroup)
+            one = DistributedDataParallel(
+                mlp(),
+                process_group=solo,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                first_bucket_mb=cfg.first_bucket_mb,
+            )
+            self.models["ddp1"] = (one, sgd(one))
+        two = DistributedDataParallel(
+            mlp(), bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb
+        )
+        self.models["ddp2"] = (two, sgd(two))
+        rng = np.random.default_rng(cfg.seed + self.rank)
+        self.x = tl.tensor(rng.standard_normal((cfg.batch, dims[0])).astype(np.float32))
+        self.y = tl.tensor(rng.integers(0, cfg.classes, cfg.batch).astype(np.int64))
+        self.buckets = two.bucket_sizes()
+        self.stats: dict[str, Any] = {}
+        self._bufs: list[Any] | None = None
+
+    def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
+        model, opt = self.models[name]
+        rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
+        ddp = name != "plain"
+        for _ in range(n):
+            t0 = time.perf_counter()
+            loss = self.F.cross_entropy(model(self.x), self.y)
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if record:
+                rec["fwd"].append(t1 - t0)
+                rec["bwd"].append(t2 - t1)
+                rec["wait"].append(model.stats.wait_s if ddp else 0.0)
+                rec["opt"].append(t3 - t2)
+                rec["step"].append(t3 - t0)
+        if ddp and record:
+            rec["in_backward"] = model.stats.launched_in_backward
+
+    def barrier(self) -> None:
+        collectives.barrier()
+
+    def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
+        collectives.all_reduce(v, op="max")
+
+    def allreduce_alone(self, reps: int) -> list[float]:
+        """Seconds to all-reduce buckets of DDP's sizes, all launched at once, then waited."""
+        group = collectives.get_default_group()
+        if self._bufs is None:
+            # Shared-memory buffers from the group, like DDP's buckets (zero-copy all-reduce).
+            self._bufs = [group.alloc(nbytes // 4, np.float32) for nbytes in self.buckets]
+        bufs = self._bufs
+        times = []
+        for r in range(reps + 1):
+            for b in bufs:
+                b.fill(1.0)  # touch them, as backward's writes would
+            group.barrier()
+            t0 = time.perf_counter()
+            works = [group.all_reduce(b, op="avg", async_op=True) for b in bufs]
+            for w in works:
+                w.wait()
+            if r >= 1:
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+# ---------------------------------------------------------------------------- torch
+class _TorchRunner:
+    """The same protocol with torch eager (1 rank) and torch DDP over gloo (2 ranks)."""
+
+    def __init__(self, cfg: Config, buckets: list[int]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        self.torch, self.dist = torch, dist
+        self.rank = dist.get_rank()
+        dims = cfg.dims()
+
+        def mlp() -> Any:
+            torch.manual_seed(cfg.seed)
+            layers: list[Any] = []
+            for i in range(len(dims) - 1):
+                layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+                if i < len(dims) - 2:
+                    layers.append(torch.nn.ReLU())
+            return torch.nn.Sequential(*layers)
+
+        def sgd(m: Any) -> Any:
+            return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+
+        ddp_cls = torch.nn.parallel.DistributedDataParallel
+        self.models: dict[str, tuple[Any, Any]] = {}
+        plain = mlp()
+        self.models["plain"] = (plain, sgd(plain))
+        # Like ours: gradients are views into the buckets; torch's first bucket is also 1 MiB.
+        two = ddp_cls(mlp(), bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
+        self.models["ddp2"] = (two, sgd(two))
+        g = torch.Generator().manual_seed(cfg.seed + self.rank)
+        self.x = torch.randn(cfg.batch, dims[0], generator=g)
+        self.y = torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
+        self.buckets = buckets
+        self.stats: dict[str, Any] = {}
+        self._bufs: list[Any] | None = None
+
+    def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
+        model, opt = self.models[name]
+        rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
+        loss_fn = self.torch.nn.functional.cross_entropy
+        for _ in range(n):
+            t0 = time.perf_counter()
+            loss = loss_fn(model(self.x), self.y)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if record:
+                rec["fwd"].append(t1 - t0)
+                rec["bwd"].append(t2 - t1)
+                rec["opt"].append(t3 - t2)
+                rec["step"].append(t3 - t0)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
+        self.dist.all_reduce(self.torch.from_numpy(v), op=self.dist.ReduceOp.MAX)
+
+    def allreduce_alone(self, reps: int) -> list[float]:
+        if self._bufs is None:
+            self._bufs = [self.torch.ones(nbytes // 4) for nbytes in self.buckets]
+        times = []
+        for r in range(reps + 1):
+            for b in self._bufs:
+                b.fill_(1.0)
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            works = [self.dist.all_reduce(b, async_op=True) for b in self._bufs]
+            for w in works:
+                w.wait()
+            if r >= 1:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- protocol
+def _protocol(runner: Any, cfg: Config, solo: list[str]) -> dict[str, Any]:
+    """Warm up, then ``rounds`` rounds of every phase (order rotated each round); summarize.
+
+    Phases: ``solo`` (rank 0 alone runs the 1-rank models while rank 1 waits at a barrier),
+    ``indep2`` (both ranks train the plain model at once, without communicating: what two
+    processes cost each other on this machine), ``ddp2`` (both train under DDP) and ``comm``
+    (an all-reduce of buckets of DDP's sizes, nothing else running).
+    """
+    rank = runner.rank
+    comm: list[float] = []
+
+    def phase(name: str, record: bool, n: int) -> None:
+        runner.barrier()
+        if name == "solo":
+            if rank == 0:
+                for model in solo:
+                    runner.steps(model, n, record)
+        elif name == "comm":
+            times = runner.allreduce_alone(reps=max(3, n // 4))
+            if record:
+                comm.extend(times)
+        else:
+            runner.steps("plain" if name == "indep2" else "ddp2", n, record, key=name)
+        runner.barrier()  # the rank that sat out waits here (blocking, not spinning)
+
+    phases = ["solo", "ddp2", "indep2", "comm"]
+    for name in phases:
+        phase(name, False, cfg.warmup)
+    for r in range(cfg.rounds):
+        for name in phases[r % 4 :] + phases[: r % 4]:
+            phase(name, True, cfg.steps)
+
+    keys = ("fwd", "bwd", "wait", "opt", "step")
+    rows: dict[str, dict[str, float]] = {}
+    for name in [*solo, "indep2", "ddp2"]:
+        rec = runner.stats.get(name, {})
+        med = np.array([_median_ms(rec.get(k, [])) for k in keys], dtype=np.float64)
+        if name in ("indep2", "ddp2"):
+            runner.max_over_ranks(med)  # the slower rank sets the pace
+        rows[name] = dict(zip(keys, (float(v) for v in med), strict=True))
+        if "in_backward" in rec:
+            rows[name]["launched_in_backward"] = rec["in_backward"]
+    comm_ms = np.array([_median_ms(comm)], dtype=np.float64)
+    runner.max_over_ranks(comm_ms)
+    return {"rows": rows, "allreduce_alone_ms": float(comm_ms[0]), "threads": thread_report()}
+
+
+def tl_worker(rank: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of the tensorlib run (the group is initialized by ``spawn``)."""
+    cfg = Config(**cfg_dict)
+    if cfg.switch_interval:
+        sys.setswitchinterval(cfg.switch_interval)
+    runner = _TlRunner(cfg)
+    out = _protocol(runner, cfg, ["plain", "ddp1"])
+    out["buckets"] = runner.buckets
+    return out if rank == 0 else None
+
+
+def torch_worker(rank: int, cfg_dict: dict[str, Any], buckets: list[int]) -> Any:
+    """One rank of the torch run (spawned without our group; torch reads the same env)."""
+    cfg = Config(**cfg_dict)
+    if cfg.switch_interval:
+        sys.setswitchinterval(cfg.switch_interval)
+    runner = _TorchRunner(cfg, buckets)
+    try:
+        out = _protocol(runner, cfg, ["plain"])
+    finally:
+        runner.close()
+    return out if rank == 0 else None
+
+
+# ---------------------------------------------------------------------------- report
+def _fmt_row(label: str, row: dict[str, float] | None) -> str:
+    if row is None:
+        return f"{label:<24}" + " " * 45
+    wait = row["wait"]
+    wait_s = f"{wait:8.2f}" if wait == wait else f"{'-':>8}"
+    return (
+        f"{label:<24}{row['fwd']:8.2f} {row['bwd']:8.2f} {wait_s} {row['opt']:8.2f} "
+        f"{row['step']:8.2f}"
+    )
+
+
+def _human(nbytes: float) -> str:
+    """Bytes as a short binary-unit string (4K, 1.5M)."""
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= div:
+            v = nbytes / div
+            return f"{v:.0f}{unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f}{unit}"
+    return f"{int(nbytes)}B"
+
+
+def report(
+    cfg: Config, ours: dict[str, Any], theirs: dict[str, Any] | None, why: str
+) -> dict[str, Any]:
+    """Print the tables and verdict; return the JSON summary."""
+    buckets = ours["buckets"]
+    rows = ours["rows"]
+    total = sum(buckets)
+    head = f"{'':<24}{'fwd ms':>8} {'bwd ms':>8} {'wait ms':>8} {'opt ms':>8} {'step ms':>8}"
+    threads = ours["threads"]
+    if threads["checked"]:
+        tdesc = ", ".join(f"{p['api']} {p['threads']}" for p in threads["pools"])
+        tdesc = f"threadpoolctl: {tdesc} thread(s) per rank"
+    else:
+        tdesc = "threadpoolctl not installed; " + ", ".join(
+            f"{k}={v}" for k, v in threads["env"].items()
+        )
+    print(
+        f"DDP training step, MLP {'-'.join(map(str, cfg.dims()))} "
+        f"({total / 2**20:.1f} MiB of float32 gradients), per-rank batch {cfg.batch}, "
+        f"SGD momentum\ncpu backend, 2 ranks on {os.cpu_count()} cores, {tdesc}; "
+        f"medians of {cfg.rounds} rounds x {cfg.steps} steps (phases rotated every round)\n"
+    )
+    print("tensorlib + ddp" + (" " * 9 + "| torch " + torch_version() if theirs else ""))
+    print(head + ("  | " + head.strip() if theirs else ""))
+    labels = [
+        ("1 rank, no DDP", "plain"),
+        ("1 rank, DDP (1-rank grp)", "ddp1"),
+        ("2 ranks, no comm", "indep2"),
+        ("2 ranks, DDP", "ddp2"),
+    ]
+    for label, key in labels:
+        line = _fmt_row(label, rows.get(key))
+        if theirs:
+            trow = theirs["rows"].get(key)  # torch exposes no wait time: shown as "-"
+            line += "  | " + (_fmt_row("", trow).strip() if trow else "")
+        print(line)
+
+    t1, t2 = rows["plain"]["step"], rows["ddp2"]["step"]
+    bwd1 = rows["plain"]["bwd"]
+    comm = ours["allreduce_alone_ms"]
+    wait2 = rows["ddp2"]["wait"]
+    ratio = t2 / t1
+    sizes = ", ".join(_human(b) for b in buckets)
+    print(
+        f"\nbuckets: {len(buckets)} [{sizes}] (first {cfg.first_bucket_mb:g} MiB, cap "
+        f"{cfg.bucket_cap_mb:g} MiB); started during backward: "
+        f"{rows['ddp2'].get('launched_in_backward', '?')} of {len(buckets)}"
+    )
+    print(
+        f"all-reduce of those buckets alone, 2 ranks: {comm:.2f} ms = {comm / bwd1:.0%} of the "
+        f"1-rank backward ({bwd1:.2f} ms)  [model choice: >= 20% wanted]"
+    )
+    print(
+        f"waiting after backward at 2 ranks (stats.wait_s): {wait2:.2f} ms = "
+        f"{wait2 / comm:.0%} of that all-reduce ({1 - min(wait2 / comm, 1):.0%} hidden by overlap)"
+    )
+    met = ratio <= TARGET
+    print(
+        f"scaling efficiency (1-rank step / 2-rank step): {t1 / t2:.2f}; 2-rank step = "
+        f"{ratio:.2f}x the 1-rank step: target <= {TARGET:.2f}x {'MET' if met else 'NOT met'}"
+    )
+    ddp1, indep = rows["ddp1"]["step"], rows["indep2"]["step"]
+    print(
+        f"of which: two processes at once, no communication (this machine's own limit): "
+        f"{indep / t1:.2f}x; DDP on top of that: {t2 / indep:.2f}x"
+    )
+    i2, d2 = rows["indep2"], rows["ddp2"]
+    print(
+        f"DDP's extra time at 2 ranks over no comm: backward {d2['bwd'] - i2['bwd']:+.2f} ms "
+        f"(of which waiting {d2['wait']:.2f} ms), optimizer {d2['opt'] - i2['opt']:+.2f} ms, "
+        f"forward {d2['fwd'] - i2['fwd']:+.2f} ms"
+    )
+    print(f"DDP at world size 1 costs {ddp1 / t1 - 1:+.1%} over the plain step")
+    summary: dict[str, Any] = {
+        "config": asdict(cfg),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "threads": threads,
+        "bucket_bytes": buckets,
+        "rows_ms": rows,
+        "allreduce_alone_ms": comm,
+        "comm_share_of_backward": comm / bwd1,
+        "wait_share_of_comm": wait2 / comm,
+        "efficiency": t1 / t2,
+        "step_ratio_2_over_1": ratio,
+        "machine_ratio_indep2_over_1": indep / t1,
+        "ddp_ratio_2_over_indep2": t2 / indep,
+        "target_ratio": TARGET,
+        "target_met": met,
+    }
+    if theirs:
+        tt1, tt2 = theirs["rows"]["plain"]["step"], theirs["rows"]["ddp2"]["step"]
+        tcomm = theirs["allreduce_alone_ms"]
+        print(
+            f"torch DDP (gloo): efficiency {tt1 / tt2:.2f} (2-rank step = {tt2 / tt1:.2f}x "
+            f"the 1-rank step); gloo all-reduce of the same bucket sizes alone {tcomm:.2f} ms "
+            f"= {tcomm / theirs['rows']['plain']['bwd']:.0%} of torch's 1-rank backward"
+        )
+        print(f"2-rank step, tensorlib+ddp / torch DDP: {t2 / tt2:.2f}x")
+        summary["torch"] = {
+            "version": torch_version(),
+            "rows_ms": theirs["rows"],
+            "allreduce_alone_ms": tcomm,
+            "efficiency": tt1 / tt2,
+        }
+    else:
+        print(f"torch: not run ({why})")
+        summary["torch"] = {"skipped": why}
+    return summary
+
+
+def torch_version() -> str:
+    try:
+        import torch
+    except ImportError:
+        return ""
+    return str(torch.__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the ranks, print the tables."""
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--width", type=int, default=d.width, help="hidden layer width")
+    p.add_argument("--depth", type=int, default=d.depth, help="hidden layers (width x width)")
+    p.add_argument("--batch", type=int, default=d.batch, help="per-rank batch size")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per phase")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="1-rank/2-rank alternations")
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument("--first-bucket-mb", type=float, default=d.first_bucket_mb)
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sys.setswitchinterval(S) in each rank: how soon the communication thread gets\n"
+        "the GIL back from the training thread (Python's default is 0.005)",
+    )
+    p.add_argument("--no-torch", action="store_true", help="skip the torch DDP comparison")
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    a = p.parse_args(argv)
+    cfg = Config(
+        width=a.width,
+        depth=a.depth,
+        batch=a.batch,
+        steps=a.steps,
+        rounds=a.rounds,
+        warmup=a.warmup,
+        bucket_cap_mb=a.bucket_cap_mb,
+        first_bucket_mb=a.first_bucket_mb,
+        switch_interval=a.switch_interval,
+    )
+    for var in THREAD_VARS:
+        # Assigned, not defaulted: a run of "one thread per rank" must not inherit 4.
+        os.environ[var] = "1"
+    print("running tensorlib + ddp (2 ranks) ...", file=sys.stderr, flush=True)
+    results = collectives.spawn(tl_worker, args=(asdict(cfg),), nprocs=2, backend="cpu")
+    assert results is not None
+    ours = results[0]
+    theirs, why = None, ""
+    if a.no_torch:
+        why = "--no-torch"
+    elif not torch_version():
+        why = "torch is not importable here; run with .venv-bench/bin/python to compare"
+    else:
+        print("running torch DDP over gloo (2 ranks) ...", file=sys.stderr, flush=True)
+        out = collectives.spawn(
+            torch_worker, args=(asdict(cfg), ours["buckets"]), nprocs=2, init=False
+        )
+        theirs = out[0] if out else None
+    summary = report(cfg, ours, theirs, why)
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary, indent=2))
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
