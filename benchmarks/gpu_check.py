@@ -6,6 +6,12 @@ Run it on a machine with an NVIDIA GPU and CuPy (the `cuda12`/`cuda13` extra) fr
 repository root. It prints a Markdown block to paste into docs/gpu-results.md, and with
 ``--out`` also writes ``gpu-check.md`` and the JSON of each benchmark there. It exits non-zero
 when a step fails, and exits 2 at once with the reason when no GPU is usable.
+
+The whole run stays within ``BUDGET_S`` (under eight minutes): each step's timeout is cut to
+what is left, keeping time for the steps after it. The NCCL step runs benchmarks/nccl_bench.py
+(our nccl backend against NCCL called directly, 8 B .. 1 GiB) at world size 1, and with
+several ranks on this host when the GPUs or the NCCL version allow it (NCCL >= 2.30 lets ranks
+share a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,8 @@ import numpy as np
 import tensorlib as tl
 
 ROOT = Path(__file__).resolve().parents[1]
+BUDGET_S = 450.0  # the whole check, so that it fits an eight-minute device slot
+NCCL_STEP_S = 150.0  # time kept for the NCCL step while earlier steps run
 
 
 def versions() -> dict[str, Any]:
@@ -61,12 +70,81 @@ def versions() -> dict[str, Any]:
     except Exception as exc:  # CuPy built without NCCL
         out["nccl_cupy"] = f"unavailable ({type(exc).__name__})"
     try:
+        from collectives.backends import _nccl_lib
+
+        lib = _nccl_lib.load()
+        out["nccl_ours"] = lib.version_string
+        out["nccl_ours_path"] = lib.path
+    except Exception as exc:  # no NCCL wheel: the nccl step reports it
+        out["nccl_ours"] = f"unavailable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    try:
         import torch
 
         out["torch"] = torch.__version__
     except ImportError:
         out["torch"] = None
     return out
+
+
+def nccl_world_sizes(info: dict[str, Any]) -> tuple[list[int], str]:
+    """World sizes for the NCCL step, and why several ranks do or do not run."""
+    import cupy as cp
+
+    from collectives.backends._nccl_lib import load, version_code
+
+    gpus = int(cp.cuda.runtime.getDeviceCount())
+    try:
+        version = load().version
+    except Exception as exc:
+        return [], f"NCCL unavailable: {exc}"
+    if gpus >= 2:
+        return [1, min(gpus, 4)], f"{gpus} GPUs: one rank per GPU"
+    if version >= version_code(2, 30, 0):
+        return [1, 2, 4], "one GPU, NCCL >= 2.30: ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+    return [1], (
+        f"one GPU and NCCL {info.get('nccl_ours')} < 2.30, which refuses ranks sharing a GPU "
+        "('Duplicate GPU detected'): world size 1 only"
+    )
+
+
+def nccl_step(
+    info: dict[str, Any], out: Path | None, budget: float, log: list[str]
+) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """The all-reduce sweep through our backend and through NCCL directly."""
+    from benchmarks import nccl_bench
+
+    steps: list[tuple[str, int, str]] = []
+    md: list[str] = []
+    sizes, why = nccl_world_sizes(info)
+    print(f"nccl: world sizes {sizes}: {why}", flush=True)
+    if not sizes:
+        return [("nccl all_reduce", 1, why)], md
+    md.append(f"NCCL all_reduce (float32 SUM, in place), world sizes {sizes}: {why}.")
+    end = time.monotonic() + budget
+    for n in sizes:
+        left = end - time.monotonic()
+        if left < 20:
+            steps.append((f"nccl all_reduce x{n}", 124, "skipped: the time budget ran out"))
+            continue
+        with tempfile.TemporaryDirectory(prefix="gpu-check-nccl-") as tmp:
+            t0 = time.perf_counter()
+            rc, data, tail = nccl_bench.run_world(n, Path(tmp), 1 << 30, nccl_bench.IMPLS, left)
+            took = time.perf_counter() - t0
+        log.append(f"$ nccl_bench --world {n} (rc={rc}, {took:.1f} s)\n{tail}")
+        if data is None:
+            steps.append((f"nccl all_reduce x{n}", rc or 1, tail.strip()[-300:]))
+            print(f"nccl x{n}: FAILED rc={rc}\n{tail[-2000:]}", flush=True)
+            continue
+        lines = nccl_bench.table(data) + [""] + nccl_bench.summary(data)
+        bad = data.get("failures", [])
+        code = rc or (1 if bad else 0)
+        first = nccl_bench.summary(data)[0] if not bad else "; ".join(bad)[:300]
+        steps.append((f"nccl all_reduce x{n}", code, first))
+        print(f"nccl x{n}: rc={rc} ({took:.0f} s)\n" + "\n".join(lines), flush=True)
+        md += ["", f"World size {n}:", "", *lines]
+        if out is not None:
+            (out / f"nccl_allreduce_n{n}.json").write_text(json.dumps(data, indent=1))
+    return steps, md
 
 
 def run(cmd: list[str], timeout: int, log: list[str]) -> tuple[int, str, float]:
@@ -92,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, help="directory for gpu-check.md, logs and JSON")
     p.add_argument("--quick", action="store_true", help="fewer benchmark rounds")
+    p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL step")
     args = p.parse_args(argv)
+    started = time.monotonic()
+
+    def left(keep: float = 0.0) -> int:
+        """Seconds a step may take: what is left of the budget, less ``keep`` for later."""
+        return int(max(10.0, BUDGET_S - (time.monotonic() - started) - keep))
 
     reason = tl.cuda_unavailable_reason()
     if reason is not None:
@@ -106,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
 
     steps: list[tuple[str, int, str]] = []
     py = sys.executable
+    nccl_keep = 0.0 if args.skip_nccl else NCCL_STEP_S
     rc, text, took = run(
-        [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"], 420, log
+        [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+        min(420, left(nccl_keep + 120)),
+        log,
     )
     summary = [
         ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or "error" in ln
@@ -115,11 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     steps.append(("pytest -m gpu", rc, summary[-1] if summary else text[-300:]))
     print(f"gpu tests: rc={rc} {steps[-1][2]} ({took:.0f} s)", flush=True)
 
+    nccl_md: list[str] = []
+    if not args.skip_nccl:
+        nccl_steps, nccl_md = nccl_step(info, args.out, min(NCCL_STEP_S, left(120)), log)
+        steps += nccl_steps
+
     bench_json = (args.out or Path("/tmp")) / "mlp_step_cuda.json"
     rounds = ["--rounds", "3"] if args.quick else []
     rc, text, took = run(
         [py, "-m", "benchmarks.mlp_step", "--device", "cuda", "--json", str(bench_json), *rounds],
-        240,
+        min(240, left(60)),
         log,
     )
     steps.append(("mlp_step --device cuda", rc, text.strip()[-1200:]))
@@ -127,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rc, text, took = run(
         [py, "examples/train_mlp.py", "--device", "cuda", "--no-progress", "--epochs", "20"],
-        180,
+        min(180, left()),
         log,
     )
     final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
@@ -139,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     md.append(
         f"driver {info['driver']}, CUDA runtime {info['cuda_runtime']} / driver API "
         f"{info['cuda_driver']}, CuPy {info['cupy']}, NCCL (CuPy's) {info['nccl_cupy']}, "
+        f"NCCL (ours) {info.get('nccl_ours')}, "
         f"NumPy {info['numpy']}, Python {info['python']}, torch {info['torch']}"
     )
     md.append("")
@@ -150,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if bench_json.exists():
         md.append("")
         md.append("```")
-        md.append(steps[1][2])
+        md.append(next(d for name, _, d in steps if name.startswith("mlp_step")))
         md.append("```")
+    if nccl_md:
+        md += ["", *nccl_md]
     text_md = "\n".join(md) + "\n"
     print("\n" + text_md)
     if args.out:

@@ -323,15 +323,20 @@ def new_group(
         world.group_counter += 1
         counter = world.group_counter
     me = world.default.info.global_rank
-    if me not in members:
-        return NonMemberGroup(members, me)
-    digest = zlib.crc32(",".join(map(str, members)).encode())
-    name = f"g{counter}-{digest:08x}"
     default_backend = world.default.backend_name
     bname = backend or ("serial" if len(members) == 1 else default_backend)
     if bname == "serial" and len(members) > 1:
         bname = "cpu"
     spec = get_backend_spec(bname)
+    # A backend may build the new group from the default group's (ncclCommSplit): every rank
+    # of the default group takes part, members or not.
+    parent = world.default.backend if bname == default_backend else None
+    if me not in members:
+        if parent is not None:
+            parent.split(None)
+        return NonMemberGroup(members, me)
+    digest = zlib.crc32(",".join(map(str, members)).encode())
+    name = f"g{counter}-{digest:08x}"
     info = GroupInfo(
         rank=members.index(me),
         size=len(members),
@@ -342,7 +347,8 @@ def new_group(
         timeout=_seconds(timeout) if timeout is not None else world.timeout,
         local_rank=world.env.local_rank,
     )
-    group = ProcessGroup(spec.factory(info))
+    made = parent.split(info) if parent is not None else None
+    group = ProcessGroup(made if made is not None else spec.factory(info))
     world.groups.append(group)
     return group
 

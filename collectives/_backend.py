@@ -122,6 +122,21 @@ class Backend:
         if self.error is None:
             self.error = reason
 
+    def device_problem(self, array: Any) -> str | None:
+        """Why this backend cannot use a CuPy ``array`` given to a collective (e.g. it lives
+        on another GPU than the group's), or None. Called only when ``accepts_device_arrays``."""
+        return None
+
+    def split(self, info: GroupInfo | None) -> Backend | None:
+        """Build a new group's backend from this one (e.g. ``ncclCommSplit``).
+
+        ``new_group`` calls it on *every* rank of this group, in the same order, when the new
+        group uses this group's backend: with the new group's ``info`` on its members and None
+        on the other ranks. Return None to let the registry's factory build the backend (the
+        default: nothing is split).
+        """
+        return None
+
     # ------------------------------------------------------------------ dispatch
     def submit(self, req: Request, async_op: bool) -> Work:
         """Queue ``req`` in submission order; return its Work."""

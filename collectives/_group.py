@@ -133,6 +133,10 @@ class ProcessGroup:
         staged = is_dev and not self.backend.accepts_device_arrays
         if staged:
             arr = arr.get()  # the cpu/mpi engines work on host memory; copy back after
+        elif is_dev:
+            problem = self.backend.device_problem(arr)
+            if problem is not None:
+                raise ValueError(f"{self._where(op)}: {what} {problem}")
         return _Arg(x, arr, kind, staged)
 
     def _group_rank(self, op: str, global_rank: int, what: str) -> int:

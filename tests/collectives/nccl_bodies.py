@@ -1,0 +1,175 @@
+"""Test bodies specific to the nccl backend, run in every rank (thread or process).
+
+The shared bodies (``bodies.py``) cover what every backend must do; these cover what only the
+nccl backend has: streams and events, references held by a Work, the device check, abort and
+the store-published failures, and the per-call host cost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import collectives as C
+from tests.collectives.bodies import _try, check, data, reference
+
+
+def _world() -> tuple[int, int]:
+    return C.get_rank(), C.get_world_size()
+
+
+def backend_info() -> dict[str, Any]:
+    """The default group's backend, GPU and communicator as this rank sees them."""
+    b = C.get_default_group().backend
+    return {
+        "backend": b.name,
+        "device": getattr(b, "device", None),
+        "check": getattr(b, "check", None),
+        "comm": bool(getattr(b, "comm", 0)),
+    }
+
+
+def leave_group(leaver: int) -> dict[str, Any]:
+    """Rank ``leaver`` destroys its default group (its thread goes on) instead of joining
+    all_reduce #2; the others must fail fast, not at the group timeout."""
+    rank, _ = _world()
+    C.all_reduce(np.ones(4))
+    if rank == leaver:
+        C.get_default_group().destroy()
+        return {"type": None, "left": True}
+    return _try(lambda: C.all_reduce(np.ones(1000, dtype=np.float32)))
+
+
+def call_outcome(op: str = "all_reduce", size: int = 100) -> dict[str, Any]:
+    """One collective and then the next: what each raised (or None)."""
+    rank, n = _world()
+    x = np.full(size, rank + 1.0, dtype=np.float32)
+    if op == "all_reduce":
+        first = _try(lambda: C.all_reduce(x))
+    elif op == "all_to_all":
+        first = _try(lambda: C.all_to_all(np.ones(2 * n, dtype=np.float32)))
+    else:
+        raise ValueError(op)
+    first["value"] = float(x[0])
+    first["next"] = _try(lambda: C.all_reduce(np.ones(4)))
+    return first
+
+
+def refs_until_done(directory: str, size: int) -> dict[str, Any]:
+    """Rank 0 starts an async all_reduce on a CuPy array before rank 1 joins: until then the
+    Work is pending and holds the array; once done it lets go."""
+    import cupy
+
+    rank, n = _world()
+    flag = os.path.join(directory, "rank0-checked")
+    x = cupy.asarray(np.full(size, rank + 1.0, dtype=np.float32))
+    if rank == 0:
+        work = C.all_reduce(x, async_op=True)
+        time.sleep(0.1)
+        pending = not work.is_completed()
+        held = any(r is x for r in work.refs)
+        with open(flag, "w") as f:
+            f.write("go")
+        assert work.wait(timeout=30) is x
+        deadline = time.monotonic() + 10
+        while work.refs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        released = not work.refs
+    else:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag):
+            assert time.monotonic() < deadline, "rank 0 never checked its pending Work"
+            time.sleep(0.01)
+        C.all_reduce(x)
+        pending, held, released = True, True, True
+    check(x.get(), np.full(size, n * (n + 1) / 2, dtype=np.float32), "all_reduce after hold")
+    return {"pending": pending, "held": held, "released": released}
+
+
+def wait_without_host_sync(directory: str) -> dict[str, Any]:
+    """On a (fake) non-null stream, ``wait()`` on a CuPy array returns before the collective
+    ran (the stream waits, not the host); the data is right once that stream has run."""
+    import cupy
+
+    rank, n = _world()
+    flag = os.path.join(directory, "rank0-returned")
+    x = cupy.asarray(np.full(7, rank + 1.0, dtype=np.float64))
+    returned_early = True
+    if rank == 0:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            work = C.all_reduce(x, async_op=True)
+            assert work.wait() is x
+            returned_early = not work.is_completed()
+        with open(flag, "w") as f:
+            f.write("go")
+        stream.synchronize()
+    else:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag):
+            assert time.monotonic() < deadline, "rank 0's wait() blocked"
+            time.sleep(0.01)
+        C.all_reduce(x)
+    check(x.get(), np.full(7, n * (n + 1) / 2), "all_reduce waited on a stream")
+    return {"returned_early": returned_early}
+
+
+def wrong_device() -> str:
+    """A CuPy array on another GPU than the group's is refused before anything is issued."""
+    import cupy
+
+    rank, _ = _world()
+    b: Any = C.get_default_group().backend
+    other = (b.device + 1) % cupy.cuda.runtime.getDeviceCount()
+    seq = C.get_default_group().seq
+    with cupy.cuda.Device(other):
+        x = cupy.ones(4, dtype=cupy.float32)
+    try:
+        C.all_reduce(x)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("all_reduce of an array on another GPU did not raise")
+    assert C.get_default_group().seq == seq, "the refused call consumed a sequence number"
+    with cupy.cuda.Device(b.device):
+        y = cupy.full(4, rank + 1.0, dtype=cupy.float32)
+    C.all_reduce(y)
+    return message
+
+
+def synchronize_waits(seed: int) -> int:
+    """``group.synchronize()`` returns once every async collective finished."""
+    import cupy
+
+    rank, n = _world()
+    xs = [cupy.asarray(data(seed, rank, 1000, "float32", i)) for i in range(5)]
+    works = [C.all_reduce(x, async_op=True) for x in xs]
+    assert C.get_default_group().synchronize(timeout=30)
+    assert all(w.is_completed() for w in works)
+    for i, x in enumerate(xs):
+        ref = reference([data(seed, r, 1000, "float32", i) for r in range(n)], "SUM")
+        check(x.get(), ref, f"synchronized all_reduce {i}")
+    return len(xs)
+
+
+def host_cost(size: int, iters: int, device: bool) -> dict[str, float]:
+    """Seconds per blocking all_reduce issued from the host (the fake runs them too)."""
+    x: Any
+    if device:
+        import cupy
+
+        x = cupy.ones(size, dtype=cupy.float32)
+    else:
+        x = np.ones(size, dtype=np.float32)
+    C.all_reduce(x)  # warm up
+    C.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        C.all_reduce(x)
+    issued = time.perf_counter() - t0
+    C.get_default_group().synchronize(timeout=60)
+    total = time.perf_counter() - t0
+    return {"issue_us": issued / iters * 1e6, "total_us": total / iters * 1e6}

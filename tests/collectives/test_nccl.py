@@ -1,0 +1,873 @@
+"""The nccl backend: the binding, the backend on a fake libnccl, the real library on a CPU.
+
+* **Fake NCCL** (tests/fakes/fake_nccl.py over tests/fakes/fake_cupy.py): the shared
+  collective bodies (``bodies.py``) run at world sizes 1-4 with ranks as threads of this
+  process, so every count, offset, root, dtype, in-place pointer and group call the backend
+  passes is used for real. Then the failure paths: mismatches, timeouts, a rank that leaves,
+  injected error codes, asynchronous errors; each must end in an error on every rank (with the
+  op and sequence number), an aborted communicator (never a blocking destroy), no hang.
+* **The real libnccl.so.2** from the nvidia-nccl wheel, when installed: loading, version,
+  error strings, ``ncclGetUniqueId``, and a communicator init that fails with a clear error on
+  a machine without a GPU. Skipped (with the reason) when the wheel is absent.
+* **GPU** (marked ``gpu``): the same bodies on real NCCL with CuPy, ranks as processes; world
+  size 1 always, several ranks on one GPU when NCCL >= 2.30 (``NCCL_MULTI_RANK_GPU_ENABLE=1``),
+  several GPUs when there are. Skipped without a usable GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collectives._errors import CollectiveError
+from collectives.backends import _nccl_lib as L
+from tests.collectives.harness import RankPool
+from tests.collectives.nccl_threads import RankThreads, ThreadPoolError
+from tests.fakes import fake_cupy, fake_nccl
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOATS = ["float16", "float32", "float64"]
+INTS = ["int8", "uint8", "int32", "int64"]
+NUMERIC = FLOATS + INTS
+OPS = ["SUM", "PROD", "MIN", "MAX", "AVG"]
+DTYPE_OPS = [(d, op) for d in NUMERIC for op in OPS if op != "AVG" or d in FLOATS]
+SIZES = [0, 1, 7, 4097, 70_001]
+BLOCKS = [0, 1, 7, 1025]
+SIZES_N = [1, 2, 3, 4]
+LONG = 60.0  # a group timeout no passing test gets near
+FAST = 10.0  # "within seconds" on a loaded 2-core machine
+
+
+# ============================================================================ fixtures
+@pytest.fixture(scope="module")
+def fake() -> Iterator[fake_nccl.FakeNccl]:
+    """The fake CuPy and the fake NCCL in place of the real ones, for this module's tests."""
+    from tensorlib import _device
+
+    saved_modules = {k: sys.modules.get(k) for k in fake_cupy.make_modules()}
+    saved_device = (_device._cupy, _device._cupy_reason)
+    saved_cache = {k: v for k, v in _device.Device._cache.items() if v.type == "cuda"}
+    already = type(sys.modules.get("cupy")).__name__ == "module" and getattr(
+        sys.modules.get("cupy"), "__version__", ""
+    ).endswith("fake")
+    if not already:
+        fake_cupy.install()
+    _device._cupy = None
+    _device._cupy_reason = None
+    for spec in saved_cache:
+        _device.Device._cache.pop(spec, None)
+    nccl, previous = fake_nccl.install()
+    try:
+        yield nccl
+    finally:
+        _ALL_POOLS.close()
+        L.install(previous)
+        if not already:
+            for k, v in saved_modules.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+            _device._cupy, _device._cupy_reason = saved_device
+            for spec in [k for k, v in _device.Device._cache.items() if v.type == "cuda"]:
+                del _device.Device._cache[spec]
+            _device.Device._cache.update(saved_cache)
+
+
+class _Pools:
+    """Thread pools shared by the tests of this module, one per (world size, tag)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[int, str], RankThreads] = {}
+
+    def get(self, n: int, tag: str = "", **kw: Any) -> RankThreads:
+        pool = self.pools.get((n, tag))
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = RankThreads.launch(n, tag=tag, timeout=LONG, **kw)
+            self.pools[(n, tag)] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+_ALL_POOLS = _Pools()
+
+
+@pytest.fixture
+def pool(request: pytest.FixtureRequest, fake: fake_nccl.FakeNccl) -> RankThreads:
+    return _ALL_POOLS.get(int(request.param))
+
+
+@pytest.fixture
+def fresh(fake: fake_nccl.FakeNccl) -> Iterator[list[RankThreads]]:
+    """Dedicated pools of one test (its failures break their groups); closed at the end."""
+    made: list[RankThreads] = []
+    yield made
+    for p in made:
+        p.broken = True
+        p.close()
+
+
+def launch(fresh: list[RankThreads], n: int, **kw: Any) -> RankThreads:
+    pool = RankThreads.launch(n, **kw)
+    fresh.append(pool)
+    return pool
+
+
+def params(sizes: list[int]) -> Any:
+    return pytest.mark.parametrize("pool", sizes, indirect=True, ids=[f"n{n}" for n in sizes])
+
+
+def results(replies: list[Any]) -> list[Any]:
+    bad = [r.describe() for r in replies if not r.ok]
+    assert not bad, "\n".join(bad)
+    return [r.result for r in replies]
+
+
+# ============================================================================ the binding
+def test_config_struct_declares_only_leading_fields() -> None:
+    cfg = L.Config.make(L.version_code(2, 21, 5), blocking=False)
+    # size stops after `blocking`: the padding must not overwrite cgaClusterSize with 0.
+    assert cfg.size == 20 < ctypes.sizeof(L.Config)
+    assert cfg.magic == 0xCAFEBEEF and cfg.version == 22105 and cfg.blocking == 0
+    assert L.Config.make(22105, blocking=True).blocking == 1
+
+
+def test_unique_id_is_128_bytes_by_value() -> None:
+    assert ctypes.sizeof(L.UniqueId) == 128
+    raw = bytes(range(128))
+    assert L.UniqueId.from_bytes(raw).to_bytes() == raw
+    with pytest.raises(ValueError, match="128 bytes"):
+        L.UniqueId.from_bytes(b"short")
+    sig = L.SIGNATURES["ncclCommInitRankConfig"][1]
+    assert sig[2] is L.UniqueId  # by value, not a pointer
+
+
+def test_versions_and_result_names() -> None:
+    assert L.version_code(2, 8, 4) == 2804 and L.version_code(2, 18, 1) == 21801
+    assert L.version_tuple(21801) == (2, 18, 1) and L.version_tuple(2804) == (2, 8, 4)
+    assert L.result_name(5) == "ncclInvalidUsage" and L.result_name(99) == "ncclResult(99)"
+
+
+def test_dtype_table_maps_bool_to_uint8_and_refuses_by_name() -> None:
+    assert L.nccl_dtype(np.float16) == 6 and L.nccl_dtype(np.uint64) == 5
+    assert L.nccl_dtype(np.bool_) == L.nccl_dtype(np.uint8) == 1
+    assert L.nccl_dtype("bfloat16") == 9
+    with pytest.raises(TypeError, match=r"complex64.*supported: .*float32"):
+        L.nccl_dtype(np.complex64)
+    assert [L.nccl_op(op) for op in L.OPS] == [0, 1, 2, 3, 4]
+
+
+def test_nccl_error_carries_code_strings_and_pickles() -> None:
+    err = L.NcclError(6, "ncclAllReduce", "remote process exited", "peer 3 closed the socket")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, L.NcclError)
+    assert (back.code, back.name, back.call) == (6, "ncclRemoteError", "ncclAllReduce")
+    assert back.last_error == "peer 3 closed the socket"
+    assert "ncclRemoteError (6)" in str(back) and "remote process exited" in str(back)
+
+
+def test_wrapper_raises_with_error_string_and_last_error() -> None:
+    raw = fake_nccl.FakeNccl()
+    lib = L.Nccl(raw, raw.version, "fake")
+    raw.fail_next("ncclGetUniqueId", 2, "socket: no interface")
+    with pytest.raises(L.NcclError) as info:
+        lib.get_unique_id()
+    e = info.value
+    assert e.name == "ncclSystemError" and "unhandled system error" in e.error_string
+    assert e.last_error == "socket: no interface"
+    assert len(lib.get_unique_id()) == 128
+
+
+def test_split_needs_2_18() -> None:
+    old = fake_nccl.FakeNccl(version=21703)
+    assert not L.Nccl(old, old.version, "fake").can_split
+    new = fake_nccl.FakeNccl(version=21805)
+    assert L.Nccl(new, new.version, "fake").can_split
+
+
+def test_candidate_paths_order(tmp_path: Path) -> None:
+    (tmp_path / "libnccl.so.2").write_bytes(b"")
+    paths = L.candidate_paths({"NCCL_LIB_PATH": str(tmp_path)})
+    assert paths[0] == (str(tmp_path / "libnccl.so.2"), "NCCL_LIB_PATH")
+    assert paths[-1] == ("libnccl.so.2", "system loader path")
+    wheel = [p for p, origin in paths if origin == "nvidia-nccl wheel"]
+    assert all(p.endswith("nvidia/nccl/lib/libnccl.so.2") for p in wheel)
+
+
+def test_load_failure_names_every_path_and_the_extra(tmp_path: Path) -> None:
+    bogus = tmp_path / "libnccl.so.2"
+    bogus.write_bytes(b"not a library")
+    with pytest.raises(L.NcclUnavailableError) as info:
+        L.open_library(
+            [
+                (str(tmp_path / "missing.so"), "NCCL_LIB_PATH"),
+                (str(bogus), "nvidia-nccl wheel"),
+                ("libnccl-does-not-exist.so.2", "system loader path"),
+            ]
+        )
+    text = str(info.value)
+    assert "missing.so (NCCL_LIB_PATH): not found" in text
+    assert str(bogus) in text and "libnccl-does-not-exist.so.2" in text
+    assert "dpt[cuda12]" in text and "NCCL_LIB_PATH" in text
+
+
+# ============================================================================ the real library
+def _real_lib() -> L.Nccl:
+    wheel = [(p, o) for p, o in L.candidate_paths({}) if o == "nvidia-nccl wheel"]
+    if not any(os.path.exists(p) for p, _ in wheel):
+        pytest.skip("nvidia-nccl-cu12/cu13 wheel not installed (pip install nvidia-nccl-cu12)")
+    return L.open_library(wheel)
+
+
+def test_real_library_loads_and_reports_its_version() -> None:
+    lib = _real_lib()
+    assert lib.version >= L.version_code(2, 14, 0)
+    assert "nvidia/nccl/lib/libnccl.so.2" in lib.path
+    assert lib.has("ncclCommInitRankConfig") and lib.has("ncclGetLastError")
+    assert lib.can_split == (lib.version >= 21800)
+    assert lib.error_string(4).startswith("invalid argument")
+    assert lib.error_string(0) == "no error"
+
+
+def test_real_library_makes_unique_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    lib = _real_lib()
+    a, b = lib.get_unique_id(), lib.get_unique_id()
+    assert len(a) == len(b) == 128 and a != b and any(a)
+
+
+def test_real_library_init_without_gpu_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    lib = _real_lib()
+    uid = lib.get_unique_id()
+    with pytest.raises(L.NcclError) as info:
+        comm = lib.comm_init_rank(1, uid, 0, blocking=False)
+        # A library that accepted the call reports the failure asynchronously.
+        deadline = time.monotonic() + 30
+        while lib.comm_get_async_error(comm) == L.IN_PROGRESS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        state = lib.comm_get_async_error(comm)
+        lib.comm_abort(comm)
+        if state != L.SUCCESS:
+            raise lib.error(state, "ncclCommInitRankConfig")
+    e = info.value
+    assert e.code in (1, 2, 3, 5), e  # cuda / system / internal / usage: never a crash
+    assert "cuda" in str(e).lower(), str(e)
+    assert pickle.loads(pickle.dumps(e)).last_error == e.last_error
+
+
+def test_init_process_group_nccl_without_gpu_says_why() -> None:
+    """In a fresh process (no fakes): the backend's probe names what is missing."""
+    code = (
+        "import collectives as C\n"
+        "try:\n"
+        "    C.init_process_group('nccl', rank=0, world_size=1)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    text = out.stdout + out.stderr
+    if "ERR" not in text:
+        pytest.skip(f"nccl is usable in this environment: {text[-300:]}")
+    assert "backend 'nccl' is not usable here" in text
+    assert "libnccl.so.2" in text or "CUDA" in text or "CuPy" in text, text
+
+
+# ============================================================================ fake: the bodies
+@params(SIZES_N)
+def test_backend_and_devices(pool: RankThreads) -> None:
+    got = pool.run("nccl_bodies:backend_info")
+    assert [g["backend"] for g in got] == ["nccl"] * pool.world_size
+    assert [g["device"] for g in got] == [r % 2 for r in range(pool.world_size)]  # 2 fake GPUs
+    assert all(g["comm"] and g["check"] for g in got)
+    who = pool.run("bodies:whoami")
+    assert [w["rank"] for w in who] == list(range(pool.world_size))
+    assert {w["backend"] for w in who} == {"nccl"}
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype,op", DTYPE_OPS)
+def test_all_reduce(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
+    got = pool.run("bodies:all_reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES})
+    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * pool.world_size
+
+
+@params(SIZES_N)
+def test_all_reduce_tensor_and_nd(pool: RankThreads, seed: int) -> None:
+    got = pool.run("bodies:all_reduce_tensor_2d", {"seed": seed})
+    assert sum(got) == pool.world_size * 2 * (15 + 24 + 21_000)
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
+def test_broadcast_every_src(pool: RankThreads, seed: int, dtype: str) -> None:
+    got = pool.run("bodies:broadcast", {"seed": seed, "dtype": dtype, "sizes": SIZES})
+    assert got == [pool.world_size * sum(SIZES)] * pool.world_size
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype,op", DTYPE_OPS)
+def test_reduce_every_dst(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
+    got = pool.run("bodies:reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES})
+    n = pool.world_size
+    assert got == [sum(SIZES) + (n - 1) * sum(s for s in SIZES if s >= 7)] * n
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
+def test_all_gather(pool: RankThreads, seed: int, dtype: str) -> None:
+    got = pool.run("bodies:all_gather", {"seed": seed, "dtype": dtype, "sizes": SIZES})
+    n = pool.world_size
+    assert got == [2 * n * sum(3 * s for s in SIZES)] * n
+    assert pool.run("bodies:all_gather_tensor", {"seed": seed}) == [12 * n] * n
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype,op", DTYPE_OPS)
+def test_reduce_scatter(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
+    got = pool.run(
+        "bodies:reduce_scatter", {"seed": seed, "dtype": dtype, "op": op, "blocks": BLOCKS}
+    )
+    assert got == [sum(4 * k for k in BLOCKS)] * pool.world_size
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
+def test_all_to_all(pool: RankThreads, seed: int, dtype: str, fake: fake_nccl.FakeNccl) -> None:
+    before = fake.counts["ncclGroupStart"]
+    got = pool.run("bodies:all_to_all", {"seed": seed, "dtype": dtype, "blocks": BLOCKS})
+    n = pool.world_size
+    assert got == [2 * n * sum(3 * k for k in BLOCKS)] * n
+    # Blocks of 0 elements send nothing; the others go as send/recv pairs in a group.
+    assert fake.counts["ncclGroupStart"] - before == n * 2 * 2 * 3
+
+
+@params(SIZES_N)
+def test_barrier(pool: RankThreads, tmp_path: Path) -> None:
+    assert pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * pool.world_size
+
+
+@params([2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float16", "int32", "uint8", "bool"])
+@pytest.mark.parametrize("senders_first", ["even", "odd"])
+def test_send_recv_ring(pool: RankThreads, seed: int, dtype: str, senders_first: str) -> None:
+    sizes = [0, 1, 7, 4097, 300_007]
+    got = pool.run(
+        "bodies:send_recv_ring",
+        {"seed": seed, "dtype": dtype, "sizes": sizes, "senders_first": senders_first},
+    )
+    assert got == [sum(sizes)] * pool.world_size
+
+
+@params([2, 3])
+def test_send_several_before_recv_and_async(pool: RankThreads, seed: int) -> None:
+    got = pool.run("bodies:send_many_then_recv", {"seed": seed, "count": 6, "delay": 0.2})
+    assert got[:2] == [6, 6]
+    assert pool.run("bodies:send_recv_async", {"seed": seed, "size": 501}) == [501] * (
+        pool.world_size
+    )
+
+
+@params(SIZES_N)
+def test_object_collectives(pool: RankThreads, seed: int) -> None:
+    n = pool.world_size
+    assert pool.run("bodies:objects", {"seed": seed}) == [{"sources": n, "gathered": n}] * n
+    for errors in pool.run("bodies:objects_not_json"):
+        assert len(errors) == 3 and all("JSON" in e for e in errors), errors
+    src = n - 1
+    got = pool.run("bodies:broadcast_object_not_json", {"src": src})
+    for rank, res in enumerate(got):
+        if rank == src:
+            assert res["type"] == "TypeError" and "JSON" in res["message"], res
+        else:
+            assert f"source rank {src}" in res["message"], res
+
+
+SUBGROUPS = [([0, 2], 2), ([2, 0], 0), ([1], 1), ([3, 1, 2], 1), ([0, 1, 2, 3], 3)]
+
+
+@pytest.mark.parametrize("split", ["split", "fresh-id"])
+@pytest.mark.parametrize("members,src", SUBGROUPS, ids=["0-2", "2-0", "1", "3-1-2", "all"])
+@params([4])
+def test_subgroup(
+    pool: RankThreads,
+    seed: int,
+    members: list[int],
+    src: int,
+    split: str,
+    fake: fake_nccl.FakeNccl,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if split == "fresh-id":
+        monkeypatch.setenv("DPT_NCCL_SPLIT", "0")
+    before = fake.counts["ncclCommSplit"]
+    got = pool.run("bodies:subgroups", {"seed": seed, "members": members, "src": src})
+    for rank, res in enumerate(got):
+        if rank in members:
+            assert res == {
+                "member": True,
+                "group_rank": members.index(rank),
+                "group_size": len(members),
+            }
+        else:
+            assert res["member"] is False and len(res["errors"]) == 3
+    # Every rank of the default group takes part in a split (one-rank groups are serial).
+    splits = fake.counts["ncclCommSplit"] - before
+    assert splits == (4 if split == "split" and len(members) > 1 else 0)
+
+
+@params(SIZES_N)
+@pytest.mark.parametrize("pattern", ["all", "slice"])
+def test_alloc_all_reduce(pool: RankThreads, seed: int, pattern: str) -> None:
+    got = pool.run("bodies:alloc_all_reduce", {"seed": seed, "size": 100_003, "pattern": pattern})
+    assert got == [6 * 100_003] * pool.world_size
+    sizes = [20_000, 70_001, 3, 40_000]
+    got = pool.run("bodies:alloc_buckets_async", {"seed": seed, "sizes": sizes})
+    assert got == [sum(sizes)] * pool.world_size
+
+
+@params(SIZES_N)
+def test_async_in_flight(pool: RankThreads, seed: int) -> None:
+    assert pool.run("bodies:async_in_flight", {"seed": seed}) == [5] * pool.world_size
+    assert pool.run("bodies:many_in_flight", {"seed": seed, "count": 200}) == [200] * (
+        pool.world_size
+    )
+    assert pool.run("nccl_bodies:synchronize_waits", {"seed": seed}) == [5] * pool.world_size
+
+
+@params([2, 4])
+def test_all_reduce_deterministic(pool: RankThreads, seed: int) -> None:
+    first = pool.run("bodies:determinism", {"seed": seed, "size": 300_007})
+    second = pool.run("bodies:determinism", {"seed": seed, "size": 300_007})
+    assert len(set(first)) == 1 and first == second
+
+
+@pytest.mark.parametrize("n", SIZES_N)
+def test_cupy_arrays_are_not_staged(fake: fake_nccl.FakeNccl, seed: int, n: int) -> None:
+    """CuPy arrays go to NCCL as they are (their device pointers), results on their GPU.
+    (The body puts a Tensor on cuda:0: all ranks share that GPU here.)"""
+    pool = _ALL_POOLS.get(n, "1gpu", one_gpu=True)
+    got = pool.run("bodies:cupy_arrays", {"seed": seed})
+    assert got == [3 * (7 + 100_003)] * pool.world_size
+
+
+@params(SIZES_N)
+def test_argument_validation(pool: RankThreads) -> None:
+    got = pool.run("bodies:validation")
+    names = [c["case"] for c in got[0]]
+    assert len(names) == 29 + (2 if pool.world_size > 1 else 0), names
+    for rank, cases in enumerate(got):
+        for c in cases:
+            assert c["message"].startswith(f"[rank {rank}] "), c
+
+
+@params([2])
+def test_array_on_another_gpu_is_refused(pool: RankThreads) -> None:
+    for rank, msg in enumerate(pool.run("nccl_bodies:wrong_device")):
+        assert msg.startswith(f"[rank {rank}] all_reduce #"), msg
+        assert f"is on cuda:{(rank + 1) % 2} but this group communicates on cuda:{rank % 2}" in msg
+
+
+# ============================================================================ fake: streams, refs
+@params([2])
+def test_work_holds_arrays_until_done(pool: RankThreads, tmp_path: Path) -> None:
+    got = pool.run("nccl_bodies:refs_until_done", {"directory": str(tmp_path), "size": 1000})
+    assert got[0] == {"pending": True, "held": True, "released": True}
+
+
+@params([2])
+def test_wait_makes_the_stream_wait_not_the_host(pool: RankThreads, tmp_path: Path) -> None:
+    got = pool.run("nccl_bodies:wait_without_host_sync", {"directory": str(tmp_path)})
+    assert got[0]["returned_early"] is True
+
+
+@params([2, 4])
+def test_work_wait_timeout_leaves_collective_running(pool: RankThreads, tmp_path: Path) -> None:
+    got = pool.run("bodies:work_wait_timeout", {"directory": str(tmp_path)})
+    msg = got[0]["message"]
+    assert "Work.wait(timeout=0.2) expired" in msg and "still in flight" in msg, msg
+    assert got[0]["waited"] >= 0.2
+
+
+def test_in_progress_results_are_settled(fake: fake_nccl.FakeNccl, seed: int) -> None:
+    """Non-blocking communicators may answer ncclInProgress: the backend polls until done."""
+    pool = _ALL_POOLS.get(3)
+    fake.in_progress_ops = 0.002
+    try:
+        got = pool.run(
+            "bodies:all_reduce", {"seed": seed, "dtype": "float32", "op": "SUM", "sizes": [7, 999]}
+        )
+        assert got == [7 + 999 + 7 + 999] * 3
+        assert pool.run("bodies:all_to_all", {"seed": seed, "dtype": "int32", "blocks": [3]})
+    finally:
+        fake.in_progress_ops = 0.0
+
+
+def test_signature_check_can_be_turned_off(
+    fresh: list[RankThreads], seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPT_NCCL_CHECK", "0")
+    pool = launch(fresh, 3, timeout=LONG)
+    assert [g["check"] for g in pool.run("nccl_bodies:backend_info")] == [False] * 3
+    got = pool.run(
+        "bodies:all_reduce", {"seed": seed, "dtype": "int64", "op": "MAX", "sizes": SIZES}
+    )
+    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * 3
+    assert pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * 3
+    assert pool.run("bodies:send_recv_async", {"seed": seed, "size": 33}) == [33] * 3
+
+
+# ============================================================================ fake: failures
+MISMATCHES = {
+    "op": ("all_reduce #2(dtype=float32, shape=(16,), op=SUM)", "broadcast #2(dtype=float32"),
+    "shape": ("shape=(16,)", "shape=(17,)"),
+    "dtype": ("dtype=float32", "dtype=float64"),
+    "root": ("root=0", "root=1"),
+    "reduce_op": ("op=SUM", "op=MAX"),
+    "large_shape": ("shape=(300000,)", "shape=(300001,)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatch_fails_every_rank_fast(
+    fresh: list[RankThreads], fake: fake_nccl.FakeNccl, kind: str
+) -> None:
+    pool = launch(fresh, 3, timeout=LONG)
+    aborts, destroys = fake.counts["ncclCommAbort"], fake.counts["ncclCommDestroy"]
+    got = results(pool.call("bodies:mismatch", {"kind": kind}, deadline=40))
+    ours, theirs = MISMATCHES[kind]
+    for rank, res in enumerate(got):
+        first = res["first"]
+        assert first["type"] == "CollectiveMismatchError", first
+        assert first["elapsed"] < FAST, first["elapsed"]
+        msg = first["message"]
+        assert f"[rank {rank}]" in msg and "#2" in msg and first["seq"] == 2, msg
+        assert "ranks [0, 1] called" in msg and "ranks [2] called" in msg, msg
+        assert ours in msg and theirs in msg, msg
+        after = res["after"]
+        assert after["type"] == "GroupAbortedError", after
+        assert "unusable" in after["message"] and "different collectives" in after["message"]
+    # Every communicator was aborted (never destroyed: that could block on the hung call).
+    assert fake.counts["ncclCommAbort"] - aborts == 3
+    assert fake.counts["ncclCommDestroy"] == destroys
+
+
+@pytest.mark.parametrize("n,skipper", [(2, 1), (3, 1)])
+def test_timeout_names_op_seq_and_missing_rank(
+    fresh: list[RankThreads], n: int, skipper: int
+) -> None:
+    timeout = 1.5
+    pool = launch(fresh, n, timeout=timeout)
+    got = results(pool.call("bodies:skip_collective", {"sleep": timeout + 1.5, "skipper": skipper}))
+    for rank, res in enumerate(got):
+        if rank == skipper:
+            continue
+        assert res["type"] == "CollectiveTimeoutError", res
+        assert "TimeoutError" in res["classes"]
+        msg = res["message"]
+        assert "all_reduce #2" in msg and f"ranks [{skipper}] never arrived" in msg, msg
+        assert (res["op"], res["seq"]) == ("all_reduce", 2)
+        assert timeout - 0.1 <= res["elapsed"] < timeout + FAST, res["elapsed"]
+    waiting = [r for r in range(n) if r != skipper]
+    after = results(
+        pool.call("bodies:collective_after_peer_death", {"timeout_hint": 0}, ranks=waiting)
+    )
+    for rep in after:
+        assert rep["type"] == "GroupAbortedError", rep
+        assert "timed out" in rep["message"] and rep["elapsed"] < 1.0, rep
+
+
+def test_rank_arriving_after_timeout_fails_too(fresh: list[RankThreads]) -> None:
+    timeout, late = 1.5, 1
+    pool = launch(fresh, 3, timeout=timeout)
+    got = results(pool.call("bodies:late_rank", {"sleep": timeout + 1.5, "late": late}))
+    for rank, res in enumerate(got):
+        assert res["type"] == "CollectiveTimeoutError", res
+        assert f"ranks [{late}] never arrived" in res["message"], res["message"]
+        assert res["value"] == rank + 1.0, "the failed all_reduce changed the data"
+    assert got[late]["elapsed"] < 1.5
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_rank_leaving_the_group_fails_waiting_peers_fast(fresh: list[RankThreads], n: int) -> None:
+    pool = launch(fresh, n, timeout=LONG)
+    leaver = n - 1
+    got = results(pool.call("nccl_bodies:leave_group", {"leaver": leaver}))
+    assert got[leaver] == {"type": None, "left": True}
+    for rank in range(n - 1):
+        res = got[rank]
+        assert res["type"] == "PeerFailureError", res
+        assert f"rank {leaver} left the group" in res["message"], res
+        assert (res["op"], res["seq"]) == ("all_reduce", 2)
+        assert res["elapsed"] < FAST, res["elapsed"]
+
+
+def test_dead_local_peer_fails_waiting_ranks_fast(
+    fresh: list[RankThreads], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose process is gone (here: declared dead; ranks are threads of one process)
+    makes a rank waiting for it fail within seconds, naming its pid."""
+    from collectives.backends import nccl
+
+    pool = launch(fresh, 2, timeout=LONG)
+    pool.run("bodies:ping", {"seed": 0})
+    monkeypatch.setattr(nccl, "_pid_alive", lambda pid: pid != os.getpid())
+    got = results(pool.call("bodies:skip_collective", {"sleep": 1.0, "skipper": 1}))
+    res = got[0]
+    assert res["type"] == "PeerFailureError", res
+    assert f"rank 1 (pid {os.getpid()}) is gone" in res["message"], res["message"]
+    assert res["elapsed"] < FAST
+
+
+def test_injected_error_code_fails_that_rank_and_its_peers(
+    fresh: list[RankThreads], fake: fake_nccl.FakeNccl
+) -> None:
+    pool = launch(fresh, 3, timeout=LONG)
+    pool.run("bodies:ping", {"seed": 0})
+    comm = pool.worlds[1].default.backend.comm
+    fake.fail_next("ncclAllReduce", 5, "fake: the buffer was not registered", comm=comm)
+    got = results(pool.call("nccl_bodies:call_outcome", {"size": 100}))
+    bad = got[1]
+    assert bad["type"] == "CollectiveError", bad
+    msg = bad["message"]
+    assert msg.startswith("[rank 1] all_reduce #2") and "ncclAllReduce failed" in msg, msg
+    assert "ncclInvalidUsage (5)" in msg and "fake: the buffer was not registered" in msg, msg
+    for rank in (0, 2):
+        res = got[rank]
+        assert res["type"] == "PeerFailureError", res
+        assert "rank 1 failed" in res["message"] and "ncclInvalidUsage" in res["message"]
+        assert res["elapsed"] < FAST and res["value"] == rank + 1.0, res
+    for res in got:
+        assert res["next"]["type"] == "GroupAbortedError", res["next"]
+
+
+def test_asynchronous_error_aborts_and_reaches_every_rank(
+    fresh: list[RankThreads], fake: fake_nccl.FakeNccl
+) -> None:
+    pool = launch(fresh, 3, timeout=LONG)
+    pool.run("bodies:ping", {"seed": 0})
+    # Rank 2 stays out of the collective; rank 0's communicator reports a remote error.
+    ranks = pool.submit("nccl_bodies:call_outcome", {"size": 10}, ranks=[0, 1])
+    time.sleep(0.3)
+    comm = pool.worlds[0].default.backend.comm
+    assert fake.inject_async_error(comm, 6, "fake: NET/IB: connection reset by peer")
+    got = results(pool.collect(ranks, deadline=30))
+    assert got[0]["type"] == "PeerFailureError", got[0]
+    assert "asynchronous error" in got[0]["message"] and "ncclRemoteError" in got[0]["message"]
+    assert "connection reset by peer" in got[0]["message"]
+    assert got[1]["type"] == "PeerFailureError" and "rank 0 failed" in got[1]["message"]
+    assert got[1]["elapsed"] < FAST
+    late = results(pool.call("bodies:collective_after_peer_death", {"timeout_hint": 0}, ranks=[2]))
+    assert late[0]["type"] in ("PeerFailureError", "GroupAbortedError"), late[0]
+    assert late[0]["elapsed"] < FAST
+
+
+def test_init_timeout_names_the_ranks_that_never_joined(fresh: list[RankThreads]) -> None:
+    def late_join(rank: int) -> None:
+        if rank == 1:
+            time.sleep(2.5)
+
+    with pytest.raises(ThreadPoolError) as info:
+        launch(fresh, 2, timeout=1.0, setup=late_join)
+    text = str(info.value)
+    assert "[rank 0] init" in text and "did not complete within 1 s" in text, text
+    assert "ranks [1] never joined" in text, text
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_benchmark_sweep_runs_on_the_fake(fake: fake_nccl.FakeNccl, tmp_path: Path, n: int) -> None:
+    """benchmarks/nccl_bench.py's per-rank sweep and its report, on the fake (numbers are
+    meaningless; this guards the one-shot GPU run against bugs outside NCCL)."""
+    from benchmarks import nccl_bench
+
+    pool = _ALL_POOLS.get(n)
+    impls = ["ours", "ours-nocheck", "raw", "cupy", "torch"]
+    got = pool.run(nccl_bench.measure, {"out_dir": tmp_path, "max_bytes": 8 << 10, "impls": impls})
+    assert got == [0] * n, "a rank found a wrong all_reduce result"
+    import json
+
+    data = json.loads((tmp_path / "rank0.json").read_text())
+    assert data["world"] == n and not data["failures"]
+    for k in ("ours", "ours-nocheck", "raw"):
+        assert [r["bytes"] for r in data["impls"][k]["rows"]] == [8, 32, 128, 512, 2048, 8192]
+    assert "error" in data["impls"]["cupy"] and "error" in data["impls"]["torch"]
+    lines = nccl_bench.table(data)
+    assert lines[0].startswith("| size | ours us |") and len(lines) == 2 + 6
+    text = "\n".join(nccl_bench.summary(data))
+    assert "host time to issue one 8 B all_reduce: ours" in text and "cupy: not measured" in text
+
+
+def test_errors_cross_a_process_boundary() -> None:
+    err = CollectiveError("[rank 1] all_reduce #2: boom", rank=1, op="all_reduce", seq=2)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.rank, back.op, back.seq) == (1, "all_reduce", 2)
+
+
+# ============================================================================ GPU
+def _gpu_world_sizes() -> list[int]:
+    return [1, 2, 4]
+
+
+def _gpu_skip_reason(n: int) -> str | None:
+    import tensorlib as tl
+
+    reason = tl.cuda_unavailable_reason()
+    if reason is not None:
+        return f"no usable CUDA GPU: {reason}"
+    import cupy
+
+    if str(getattr(cupy, "__version__", "")).endswith("fake"):
+        return "CuPy is the fake (TENSORLIB_FAKE_CUPY=1): real NCCL needs a real GPU"
+    why = L.unavailable_reason()
+    if why is not None:
+        return why
+    if n == 1:
+        return None
+    gpus = int(cupy.cuda.runtime.getDeviceCount())
+    if gpus >= n:
+        return None
+    if L.load().version < L.version_code(2, 30, 0):
+        return (
+            f"{n} ranks on {gpus} GPU(s) needs NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 "
+            f"(NCCL {L.load().version_string} refuses it: 'Duplicate GPU detected')"
+        )
+    return None
+
+
+GPU_ENV = (
+    ("NCCL_SOCKET_IFNAME", "lo"),
+    ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+    ("DPT_ALLOW_SHARED_GPU", "1"),
+)
+
+
+_GPU_POOLS: dict[int, RankPool] = {}
+
+
+def _launch_gpu_pool(n: int) -> RankPool:
+    """``n`` rank processes on real NCCL: one GPU each when there are enough (bound through
+    CUDA_VISIBLE_DEVICES, as the launcher does), else all on GPU 0."""
+    import cupy
+
+    gpus = int(cupy.cuda.runtime.getDeviceCount())
+    rank_env = {r: {"CUDA_VISIBLE_DEVICES": str(r)} for r in range(n)} if gpus >= n > 1 else None
+    return RankPool.launch("nccl", n, env=dict(GPU_ENV), rank_env=rank_env, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def gpu_pools(shm_leak_check: None) -> Iterator[dict[int, RankPool]]:
+    yield _GPU_POOLS
+    for p in _GPU_POOLS.values():
+        p.close()
+    _GPU_POOLS.clear()
+
+
+@pytest.fixture
+def gpu_pool(request: pytest.FixtureRequest, gpu_pools: dict[int, RankPool]) -> RankPool:
+    n = int(request.param)
+    reason = _gpu_skip_reason(n)
+    if reason is not None:
+        pytest.skip(reason)
+    pool = gpu_pools.get(n)
+    if pool is None or pool.broken:
+        if pool is not None:
+            pool.close()
+        pool = gpu_pools[n] = _launch_gpu_pool(n)
+    return pool
+
+
+def gpu_params() -> Any:
+    return pytest.mark.parametrize(
+        "gpu_pool", _gpu_world_sizes(), indirect=True, ids=[f"n{n}" for n in _gpu_world_sizes()]
+    )
+
+
+@pytest.mark.gpu
+@gpu_params()
+@pytest.mark.parametrize("dtype,op", [("float32", "SUM"), ("float16", "MAX"), ("int64", "PROD")])
+def test_gpu_all_reduce(gpu_pool: RankPool, seed: int, dtype: str, op: str) -> None:
+    got = gpu_pool.run(
+        "bodies:all_reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES}
+    )
+    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * gpu_pool.world_size
+
+
+@pytest.mark.gpu
+@gpu_params()
+def test_gpu_every_collective(gpu_pool: RankPool, seed: int, tmp_path: Path) -> None:
+    n = gpu_pool.world_size
+    assert (
+        gpu_pool.run("bodies:broadcast", {"seed": seed, "dtype": "int32", "sizes": SIZES})
+        == [n * sum(SIZES)] * n
+    )
+    assert (
+        gpu_pool.run(
+            "bodies:reduce", {"seed": seed, "dtype": "float64", "op": "MIN", "sizes": SIZES}
+        )
+        == [sum(SIZES) + (n - 1) * sum(s for s in SIZES if s >= 7)] * n
+    )
+    assert (
+        gpu_pool.run("bodies:all_gather", {"seed": seed, "dtype": "uint8", "sizes": SIZES})
+        == [2 * n * sum(3 * s for s in SIZES)] * n
+    )
+    assert (
+        gpu_pool.run(
+            "bodies:reduce_scatter",
+            {"seed": seed, "dtype": "float32", "op": "AVG", "blocks": BLOCKS},
+        )
+        == [sum(4 * k for k in BLOCKS)] * n
+    )
+    assert (
+        gpu_pool.run("bodies:all_to_all", {"seed": seed, "dtype": "bool", "blocks": BLOCKS})
+        == [2 * n * sum(3 * k for k in BLOCKS)] * n
+    )
+    assert gpu_pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * n
+    assert gpu_pool.run("bodies:objects", {"seed": seed}) == [{"sources": n, "gathered": n}] * n
+    assert gpu_pool.run("bodies:async_in_flight", {"seed": seed}) == [5] * n
+    assert gpu_pool.run("bodies:cupy_arrays", {"seed": seed}) == [3 * (7 + 100_003)] * n
+    got = gpu_pool.run("bodies:validation")
+    assert len(got[0]) == 29 + (2 if n > 1 else 0)
+    if n > 1:
+        got = gpu_pool.run(
+            "bodies:send_recv_ring",
+            {"seed": seed, "dtype": "float32", "sizes": [1, 4097], "senders_first": "even"},
+        )
+        assert got == [4098] * n
+        assert gpu_pool.run(
+            "bodies:subgroups", {"seed": seed, "members": list(range(n))[::-1], "src": 0}
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2])
+def test_gpu_mismatch_fails_every_rank(n: int) -> None:
+    reason = _gpu_skip_reason(n)
+    if reason is not None:
+        pytest.skip(reason)
+    with _launch_gpu_pool(n) as pool:
+        got = results(pool.call("bodies:mismatch", {"kind": "shape"}, deadline=60))
+    for res in got:
+        assert res["first"]["type"] == "CollectiveMismatchError", res
+        assert res["after"]["type"] == "GroupAbortedError", res

@@ -1,0 +1,700 @@
+"""A fake ``libnccl.so.2`` that really performs collectives over host memory, one thread a rank.
+
+:class:`FakeNccl` has the function names and the C calling convention of the ctypes binding
+(``collectives/backends/_nccl_lib.py``): integer results, pointers as ints, out-parameters as
+ctypes instances it writes into (where ctypes would pass a pointer), ``ncclUniqueId`` and
+``ncclConfig_t`` as the binding's structures. Wrap it with ``Nccl(FakeNccl(), version, "fake")``
+and install it with ``_nccl_lib.install`` to run the nccl backend without a GPU.
+
+What it models, so that the backend's mistakes show:
+
+* Ranks are threads of one process (as NCCL allows with one GPU per thread); communicators of
+  one unique id form a world. "Device memory" is host memory at the addresses the fake CuPy
+  (tests/fakes/fake_cupy.py) hands out, so every count, offset, root, dtype and in-place
+  pointer the backend passes is used for real: a wrong one gives a wrong result.
+* Operations are queued on the fake CuPy stream named by their ``cudaStream_t`` and run there
+  in order, asynchronously to the host; events recorded after them complete when they ran.
+* A collective waits until every rank of its world issued its collective of the same index,
+  reads every input, then (after all ranks read) writes every output, so in-place calls are
+  exact. Ranks that disagree on the kind, count, dtype, op or root hang, as NCCL may, until
+  their communicator is aborted. ``ncclGroupStart``/``End`` collect calls (per thread) and run
+  them as one unit; sends are eager (buffered), receives wait for their message.
+* Non-blocking communicators (``blocking=0``) report ``ncclInProgress`` from
+  ``ncclCommGetAsyncError`` until every rank joined (init, split) or the queue drained
+  (finalize). ``ncclCommAbort`` wakes everything the communicator waits on; a handle used
+  after abort or destroy gives ``ncclInvalidArgument``.
+* Test controls: :meth:`FakeNccl.fail_next` makes the next call(s) of a function return an
+  error code, :meth:`FakeNccl.inject_async_error` sets a communicator's asynchronous error,
+  ``in_progress_ops`` makes operations on non-blocking communicators return ``ncclInProgress``
+  for a moment, ``counts`` counts calls and ``trace`` (when a list) logs data operations.
+
+Not modelled: bfloat16 and float8 (refused), NCCL's reduction order (ranks reduce in rank
+order), blocking sends (all sends are eager), "Duplicate GPU detected" of NCCL < 2.30.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import sys
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tests.fakes import fake_cupy
+
+__all__ = ["FakeNccl", "install"]
+
+SUCCESS, UNHANDLED_CUDA, SYSTEM, INTERNAL, INVALID_ARGUMENT, INVALID_USAGE = 0, 1, 2, 3, 4, 5
+REMOTE, IN_PROGRESS, TIMEOUT = 6, 7, 8
+_STRINGS = {
+    0: "no error",
+    1: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+    2: "unhandled system error (run with NCCL_DEBUG=INFO for details)",
+    3: "internal error - please report this issue to the NCCL developers",
+    4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+    5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+    6: "remote process exited or there was a network error",
+    7: "NCCL operation in progress",
+    8: "NCCL operation timed out",
+}
+_NP_DTYPES = {
+    0: np.int8,
+    1: np.uint8,
+    2: np.int32,
+    3: np.uint32,
+    4: np.int64,
+    5: np.uint64,
+    6: np.float16,
+    7: np.float32,
+    8: np.float64,
+}
+_UFUNCS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
+_API_MAGIC = 0xCAFEBEEF
+_NOCOLOR = -1
+
+
+def _view(ptr: int, count: int, dtype: int) -> np.ndarray[Any, Any]:
+    """``count`` elements of ``dtype`` at host address ``ptr`` (no copy)."""
+    dt = np.dtype(_NP_DTYPES[dtype])
+    if count == 0:
+        return np.empty(0, dtype=dt)
+    raw = (ctypes.c_char * (count * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(memoryview(raw), dtype=dt)
+
+
+@dataclass
+class _Op:
+    kind: str  # "AllReduce", "Broadcast", "Reduce", "AllGather", "ReduceScatter", "Send", "Recv"
+    send: int
+    recv: int
+    count: int
+    dtype: int
+    op: int = -1
+    root: int = -1
+    peer: int = -1
+
+    def key(self) -> tuple[Any, ...]:
+        """What every rank must agree on for a collective."""
+        return (self.kind, self.count, self.dtype, self.op, self.root)
+
+
+@dataclass
+class _Slot:
+    ops: dict[int, _Op] = field(default_factory=dict)
+    read: int = 0
+    written: int = 0
+
+
+class _World:
+    """The communicators made from one unique id (or one split)."""
+
+    def __init__(self, nranks: int, name: str) -> None:
+        self.nranks = nranks
+        self.name = name
+        self.cond = threading.Condition()
+        self.comms: dict[int, _Comm] = {}
+        self.slots: dict[int, _Slot] = {}
+        self.mail: dict[tuple[int, int], deque[tuple[int, int, bytes]]] = {}
+        self.splits: dict[int, dict[int, tuple[int, int, _Comm | None]]] = {}
+
+    @property
+    def ready(self) -> bool:
+        return len(self.comms) == self.nranks
+
+
+class _Comm:
+    def __init__(self, handle: int, world: _World | None, rank: int, device: int, blocking: bool):
+        self.handle = handle
+        self.world = world
+        self.rank = rank
+        self.device = device
+        self.blocking = blocking
+        self.aborted = threading.Event()
+        self.destroyed = False
+        self.async_error = SUCCESS
+        self.busy_until = 0.0  # in_progress_ops: "still enqueuing" until then
+        self.coll_index = 0
+        self.split_index = 0
+        self.inflight = 0
+        self.finalizing = False
+
+
+class _Tls(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: list[tuple[_Comm, fake_cupy.Stream, _Op]] = []
+        self.error = SUCCESS
+
+
+class FakeNccl:
+    """The raw function table (see the module docstring).
+
+    Args:
+        version: what ``ncclGetVersion`` reports (``ncclCommSplit`` exists from 21800).
+    """
+
+    def __init__(self, version: int = 23203) -> None:
+        self.version = version
+        self.counts: Counter[str] = Counter()
+        self.trace: list[tuple[Any, ...]] | None = None
+        self.in_progress_ops = 0.0  # seconds a non-blocking comm stays "enqueuing" after a call
+        self._lock = threading.Lock()
+        self._handles = itertools.count(0xC0300)
+        self._worlds: dict[bytes, _World] = {}
+        self._comms: dict[int, _Comm] = {}
+        self._tls = _Tls()
+        self._last_error = ""
+        self._faults: list[list[Any]] = []
+        if version < 21800:
+            # Older libraries have no ncclCommSplit: the binding sees no such attribute.
+            self.ncclCommSplit = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ test controls
+    def fail_next(
+        self, name: str, code: int, message: str = "", comm: int | None = None, times: int = 1
+    ) -> None:
+        """Make the next ``times`` calls of ``name`` (on communicator handle ``comm`` when
+        given) return ``code``, with ``message`` as ``ncclGetLastError``."""
+        with self._lock:
+            self._faults.append([name, code, message, comm, times])
+
+    def inject_async_error(self, comm: int, code: int, message: str = "") -> bool:
+        """Set the asynchronous error of communicator handle ``comm`` (False: no such one)."""
+        c = self._comm(comm)
+        if c is None:
+            return False
+        if message:
+            self._last_error = message
+        c.async_error = code
+        return True
+
+    def live_comms(self) -> list[tuple[int, int, int]]:
+        """``(handle, rank, nranks)`` of every communicator not destroyed or aborted."""
+        with self._lock:
+            return [
+                (c.handle, c.rank, c.world.nranks if c.world else -1)
+                for c in self._comms.values()
+                if not c.destroyed
+            ]
+
+    def _fault(self, name: str, comm: _Comm | None = None) -> int:
+        if not self._faults:
+            return SUCCESS
+        with self._lock:
+            for f in self._faults:
+                if f[0] == name and (f[3] is None or (comm is not None and comm.handle == f[3])):
+                    f[4] -= 1
+                    if f[4] <= 0:
+                        self._faults.remove(f)
+                    self._last_error = f[2] or f"fake: injected {name} failure"
+                    return int(f[1])
+        return SUCCESS
+
+    def _err(self, code: int, message: str) -> int:
+        self._last_error = message
+        return code
+
+    def _comm(self, handle: Any) -> _Comm | None:
+        h = int(getattr(handle, "value", handle) or 0)
+        c = self._comms.get(h)
+        if c is None or c.destroyed:
+            return None
+        return c
+
+    # ------------------------------------------------------------------ library-wide
+    def ncclGetVersion(self, version: ctypes.c_int) -> int:
+        self.counts["ncclGetVersion"] += 1
+        version.value = self.version
+        return SUCCESS
+
+    def ncclGetErrorString(self, code: int) -> bytes:
+        return _STRINGS.get(int(code), "unknown result code").encode()
+
+    def ncclGetLastError(self, comm: Any) -> bytes:
+        return self._last_error.encode()
+
+    def ncclGetUniqueId(self, uid: Any) -> int:
+        self.counts["ncclGetUniqueId"] += 1
+        code = self._fault("ncclGetUniqueId")
+        if code:
+            return code
+        ctypes.memmove(ctypes.addressof(uid), os.urandom(128), 128)
+        return SUCCESS
+
+    # ------------------------------------------------------------------ communicators
+    def ncclCommInitRank(self, comm_out: ctypes.c_void_p, nranks: int, uid: Any, rank: int) -> int:
+        return self._init(comm_out, nranks, uid, rank, None)
+
+    def ncclCommInitRankConfig(
+        self, comm_out: ctypes.c_void_p, nranks: int, uid: Any, rank: int, config: Any
+    ) -> int:
+        return self._init(comm_out, nranks, uid, rank, config)
+
+    def _init(self, comm_out: Any, nranks: int, uid: Any, rank: int, config: Any) -> int:
+        name = "ncclCommInitRankConfig" if config is not None else "ncclCommInitRank"
+        self.counts[name] += 1
+        code = self._fault(name)
+        if code:
+            return code
+        blocking = True
+        if config is not None:
+            if config.magic != _API_MAGIC:
+                return self._err(INVALID_ARGUMENT, "ncclConfig_t not initialized (bad magic)")
+            if config.version < 21400 or config.size < 20:
+                return self._err(INVALID_ARGUMENT, f"ncclConfig_t size {config.size} too small")
+            blocking = config.blocking != 0
+        if not 0 <= rank < nranks:
+            return self._err(INVALID_ARGUMENT, f"rank {rank} out of range for {nranks} ranks")
+        key = bytes(uid)
+        with self._lock:
+            world = self._worlds.get(key)
+            if world is None:
+                world = self._worlds[key] = _World(nranks, key[:4].hex())
+        with world.cond:
+            if world.nranks != nranks:
+                return self._err(
+                    INVALID_ARGUMENT, f"nranks {nranks} differs from the peers' {world.nranks}"
+                )
+            if rank in world.comms:
+                return self._err(INVALID_USAGE, f"rank {rank} joined twice")
+            comm = _Comm(next(self._handles), world, rank, _current_device(), blocking)
+            world.comms[rank] = comm
+            world.cond.notify_all()
+        with self._lock:
+            self._comms[comm.handle] = comm
+            if world.ready:
+                self._worlds.pop(key, None)  # a unique id makes one communicator
+        comm_out.value = comm.handle
+        if blocking:
+            with world.cond:
+                while not world.ready and not comm.aborted.is_set():
+                    world.cond.wait(0.05)
+            return SUCCESS
+        return IN_PROGRESS if not world.ready else SUCCESS
+
+    def ncclCommSplit(
+        self, comm: Any, color: int, key: int, newcomm_out: ctypes.c_void_p, config: Any
+    ) -> int:
+        self.counts["ncclCommSplit"] += 1
+        parent = self._comm(comm)
+        if parent is None or parent.world is None:
+            return self._err(INVALID_ARGUMENT, "ncclCommSplit: invalid communicator")
+        code = self._fault("ncclCommSplit", parent)
+        if code:
+            return code
+        blocking = parent.blocking if config is None else config.blocking != 0
+        world = parent.world
+        child: _Comm | None = None
+        if color != _NOCOLOR:
+            child = _Comm(next(self._handles), None, -1, parent.device, blocking)
+            with self._lock:
+                self._comms[child.handle] = child
+        idx = parent.split_index
+        parent.split_index += 1
+        with world.cond:
+            posts = world.splits.setdefault(idx, {})
+            posts[parent.rank] = (int(color), int(key), child)
+            if len(posts) == world.nranks:
+                self._resolve_split(world, posts)
+                del world.splits[idx]
+            world.cond.notify_all()
+        newcomm_out.value = child.handle if child is not None else None
+        if child is None:
+            return SUCCESS
+        if blocking:
+            with world.cond:
+                while child.world is None and not parent.aborted.is_set():
+                    world.cond.wait(0.05)
+            return SUCCESS
+        return SUCCESS if child.world is not None else IN_PROGRESS
+
+    def _resolve_split(
+        self, world: _World, posts: dict[int, tuple[int, int, _Comm | None]]
+    ) -> None:
+        colors: dict[int, list[tuple[int, int, _Comm]]] = {}
+        for rank, (color, key, child) in posts.items():
+            if color != _NOCOLOR and child is not None:
+                colors.setdefault(color, []).append((key, rank, child))
+        for color, members in colors.items():
+            members.sort()
+            new = _World(len(members), f"{world.name}/split{color}")
+            for new_rank, (_key, _rank, child) in enumerate(members):
+                child.rank = new_rank
+                new.comms[new_rank] = child
+            for _key, _rank, child in members:
+                child.world = new
+
+    def ncclCommFinalize(self, comm: Any) -> int:
+        self.counts["ncclCommFinalize"] += 1
+        c = self._comm(comm)
+        if c is None:
+            return self._err(INVALID_ARGUMENT, "ncclCommFinalize: invalid communicator")
+        code = self._fault("ncclCommFinalize", c)
+        if code:
+            return code
+        c.finalizing = True
+        if c.blocking:
+            while c.inflight and not c.aborted.is_set():
+                time.sleep(0.001)
+            return SUCCESS
+        return IN_PROGRESS if c.inflight else SUCCESS
+
+    def ncclCommDestroy(self, comm: Any) -> int:
+        self.counts["ncclCommDestroy"] += 1
+        c = self._comm(comm)
+        if c is None:
+            return self._err(INVALID_ARGUMENT, "ncclCommDestroy: invalid communicator")
+        code = self._fault("ncclCommDestroy", c)
+        if code:
+            return code
+        c.destroyed = True
+        return SUCCESS
+
+    def ncclCommAbort(self, comm: Any) -> int:
+        self.counts["ncclCommAbort"] += 1
+        c = self._comm(comm)
+        if c is None:
+            return self._err(INVALID_ARGUMENT, "ncclCommAbort: invalid communicator")
+        c.aborted.set()
+        c.destroyed = True
+        if c.world is not None:
+            with c.world.cond:
+                c.world.cond.notify_all()
+        return SUCCESS
+
+    def ncclCommGetAsyncError(self, comm: Any, state: ctypes.c_int) -> int:
+        self.counts["ncclCommGetAsyncError"] += 1
+        c = self._comm(comm)
+        if c is None:
+            return self._err(INVALID_ARGUMENT, "ncclCommGetAsyncError: invalid communicator")
+        code = self._fault("ncclCommGetAsyncError", c)
+        if code:
+            return code
+        if c.async_error not in (SUCCESS, IN_PROGRESS):
+            state.value = c.async_error
+        elif (
+            c.world is None
+            or not c.world.ready
+            or (c.busy_until and time.monotonic() < c.busy_until)
+            or (c.finalizing and c.inflight)
+        ):
+            state.value = IN_PROGRESS
+        else:
+            state.value = SUCCESS
+        return SUCCESS
+
+    def _query(self, name: str, comm: Any, out: ctypes.c_int, what: str) -> int:
+        self.counts[name] += 1
+        c = self._comm(comm)
+        if c is None or c.world is None or not c.world.ready:
+            return self._err(INVALID_ARGUMENT, f"{name}: invalid or unready communicator")
+        out.value = {"count": c.world.nranks, "device": c.device, "rank": c.rank}[what]
+        return SUCCESS
+
+    def ncclCommCount(self, comm: Any, count: ctypes.c_int) -> int:
+        return self._query("ncclCommCount", comm, count, "count")
+
+    def ncclCommCuDevice(self, comm: Any, device: ctypes.c_int) -> int:
+        return self._query("ncclCommCuDevice", comm, device, "device")
+
+    def ncclCommUserRank(self, comm: Any, rank: ctypes.c_int) -> int:
+        return self._query("ncclCommUserRank", comm, rank, "rank")
+
+    # ------------------------------------------------------------------ operations
+    def ncclAllReduce(
+        self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any, stream: Any
+    ) -> int:
+        return self._submit(
+            "AllReduce", comm, stream, _Op("AllReduce", send, recv, count, dtype, op)
+        )
+
+    def ncclBroadcast(
+        self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any, stream: Any
+    ) -> int:
+        return self._submit(
+            "Broadcast", comm, stream, _Op("Broadcast", send, recv, count, dtype, root=root)
+        )
+
+    def ncclReduce(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: int,
+        op: int,
+        root: int,
+        comm: Any,
+        stream: Any,
+    ) -> int:
+        return self._submit(
+            "Reduce", comm, stream, _Op("Reduce", send, recv, count, dtype, op, root=root)
+        )
+
+    def ncclAllGather(
+        self, send: int, recv: int, sendcount: int, dtype: int, comm: Any, stream: Any
+    ) -> int:
+        return self._submit(
+            "AllGather", comm, stream, _Op("AllGather", send, recv, sendcount, dtype)
+        )
+
+    def ncclReduceScatter(
+        self, send: int, recv: int, recvcount: int, dtype: int, op: int, comm: Any, stream: Any
+    ) -> int:
+        return self._submit(
+            "ReduceScatter", comm, stream, _Op("ReduceScatter", send, recv, recvcount, dtype, op)
+        )
+
+    def ncclSend(self, buf: int, count: int, dtype: int, peer: int, comm: Any, stream: Any) -> int:
+        return self._submit("Send", comm, stream, _Op("Send", buf, 0, count, dtype, peer=peer))
+
+    def ncclRecv(self, buf: int, count: int, dtype: int, peer: int, comm: Any, stream: Any) -> int:
+        return self._submit("Recv", comm, stream, _Op("Recv", 0, buf, count, dtype, peer=peer))
+
+    def ncclGroupStart(self) -> int:
+        self.counts["ncclGroupStart"] += 1
+        code = self._fault("ncclGroupStart")
+        if code:
+            return code
+        self._tls.depth += 1
+        return SUCCESS
+
+    def ncclGroupEnd(self) -> int:
+        self.counts["ncclGroupEnd"] += 1
+        tls = self._tls
+        if tls.depth == 0:
+            return self._err(INVALID_USAGE, "ncclGroupEnd without ncclGroupStart")
+        tls.depth -= 1
+        if tls.depth:
+            return SUCCESS
+        pending, tls.pending = tls.pending, []
+        error, tls.error = tls.error, SUCCESS
+        code = self._fault("ncclGroupEnd")
+        if error or code:
+            return error or code  # NCCL drops the whole group on an error inside it
+        return self._launch(pending)
+
+    # ------------------------------------------------------------------ plumbing
+    def _submit(self, kind: str, comm: Any, stream: Any, op: _Op) -> int:
+        name = "nccl" + kind
+        self.counts[name] += 1
+        c = self._comm(comm)
+        if c is None:
+            return self._group_error(INVALID_ARGUMENT, f"{name}: invalid communicator {comm!r}")
+        code = self._fault(name, c)
+        if code:
+            return self._group_error(code, self._last_error)
+        problem = self._check(c, op)
+        if problem:
+            return self._group_error(INVALID_ARGUMENT, f"{name}: {problem}")
+        try:
+            s = fake_cupy._stream_for(stream)
+        except fake_cupy.CUDARuntimeError as exc:
+            return self._group_error(INVALID_ARGUMENT, f"{name}: {exc}")
+        if self.trace is not None:
+            self.trace.append((name, c.rank, op))
+        if self._tls.depth:
+            self._tls.pending.append((c, s, op))
+            return SUCCESS
+        return self._launch([(c, s, op)])
+
+    def _group_error(self, code: int, message: str) -> int:
+        self._last_error = message
+        if self._tls.depth and not self._tls.error:
+            self._tls.error = code
+        return code
+
+    def _check(self, c: _Comm, op: _Op) -> str:
+        if c.world is None or not c.world.ready:
+            return "the communicator is still initializing"
+        if c.aborted.is_set():
+            return "the communicator was aborted"
+        if c.async_error not in (SUCCESS, IN_PROGRESS):
+            return f"the communicator has an asynchronous error ({c.async_error})"
+        if op.dtype not in _NP_DTYPES:
+            return f"datatype {op.dtype} is not supported (the fake has no bfloat16/float8)"
+        if op.count < 0:
+            return f"negative count {op.count}"
+        if op.kind in ("AllReduce", "Reduce", "ReduceScatter") and op.op not in _UFUNCS:
+            return f"invalid reduction op {op.op}"
+        n = c.world.nranks
+        if op.kind in ("Broadcast", "Reduce") and not 0 <= op.root < n:
+            return f"root {op.root} out of range for {n} ranks"
+        if op.kind in ("Send", "Recv") and not 0 <= op.peer < n:
+            return f"peer {op.peer} out of range for {n} ranks"
+        if op.count > 0:
+            needs_send = op.kind != "Recv"
+            needs_recv = op.kind not in ("Send",) and not (
+                op.kind == "Reduce" and c.rank != op.root
+            )
+            if (needs_send and not op.send) or (needs_recv and not op.recv):
+                return "null buffer pointer"
+        return ""
+
+    def _launch(self, items: list[tuple[_Comm, fake_cupy.Stream, _Op]]) -> int:
+        by_comm: dict[int, tuple[_Comm, fake_cupy.Stream, list[_Op]]] = {}
+        for c, s, op in items:
+            by_comm.setdefault(c.handle, (c, s, []))[2].append(op)
+        busy = False
+        for c, s, ops in by_comm.values():
+            c.inflight += 1
+
+            def run(c: _Comm = c, ops: list[_Op] = ops) -> None:
+                try:
+                    self._execute(c, ops)
+                finally:
+                    c.inflight -= 1
+
+            s._enqueue(run)
+            if not c.blocking and self.in_progress_ops:
+                c.busy_until = time.monotonic() + self.in_progress_ops
+                busy = True
+        return IN_PROGRESS if busy else SUCCESS
+
+    def _execute(self, c: _Comm, ops: list[_Op]) -> None:
+        """Run one group of one communicator (on its stream's thread)."""
+        world = c.world
+        if world is None or c.aborted.is_set():
+            return
+        for op in ops:  # eager sends first: a group's receives may need them
+            if op.kind == "Send":
+                data = bytes(_view(op.send, op.count, op.dtype).view(np.uint8))
+                with world.cond:
+                    world.mail.setdefault((c.rank, op.peer), deque()).append(
+                        (op.dtype, op.count, data)
+                    )
+                    world.cond.notify_all()
+        for op in ops:
+            if op.kind not in ("Send", "Recv"):
+                self._collective(c, world, op)
+        for op in ops:
+            if op.kind == "Recv":
+                self._receive(c, world, op)
+
+    def _wait(self, c: _Comm, world: _World, ready: Any) -> bool:
+        """Wait (holding ``world.cond``) until ``ready()``; False once ``c`` is aborted."""
+        while not ready():
+            if c.aborted.is_set():
+                return False
+            world.cond.wait(0.05)
+        return not c.aborted.is_set()
+
+    def _hang(self, c: _Comm, world: _World) -> None:
+        """What NCCL may do on mismatched calls: wait forever (until aborted)."""
+        with world.cond:
+            self._wait(c, world, lambda: False)
+
+    def _collective(self, c: _Comm, world: _World, op: _Op) -> None:
+        n = world.nranks
+        with world.cond:
+            idx = c.coll_index
+            c.coll_index += 1
+            slot = world.slots.setdefault(idx, _Slot())
+            slot.ops[c.rank] = op
+            world.cond.notify_all()
+            if not self._wait(c, world, lambda: len(slot.ops) == n):
+                return
+        ops = [slot.ops[r] for r in range(n)]
+        if any(o.key() != ops[0].key() for o in ops):
+            self._hang(c, world)
+            return
+        result = self._compute(c.rank, n, op, ops)
+        with world.cond:
+            slot.read += 1
+            world.cond.notify_all()
+            # Nobody writes before everyone read: in-place calls overwrite their inputs.
+            if not self._wait(c, world, lambda: slot.read == n):
+                return
+        if result is not None and result.size:
+            out_count = result.size
+            np.copyto(_view(op.recv, out_count, op.dtype), result)
+        with world.cond:
+            slot.written += 1
+            if slot.written == n:
+                world.slots.pop(idx, None)
+
+    @staticmethod
+    def _reduce(arrays: list[np.ndarray[Any, Any]], op: int) -> np.ndarray[Any, Any]:
+        uf = _UFUNCS[op]
+        out = arrays[0].copy()
+        with np.errstate(all="ignore"):
+            for a in arrays[1:]:
+                uf(out, a, out=out)
+            if op == 4:  # avg
+                if out.dtype.kind == "f":
+                    out = (out / len(arrays)).astype(out.dtype)
+                else:
+                    out //= len(arrays)
+        return out
+
+    def _compute(self, rank: int, n: int, op: _Op, ops: list[_Op]) -> np.ndarray[Any, Any] | None:
+        k, dt = op.count, op.dtype
+        if op.kind == "AllReduce":
+            return self._reduce([_view(o.send, k, dt) for o in ops], op.op)
+        if op.kind == "Broadcast":
+            return _view(ops[op.root].send, k, dt).copy()
+        if op.kind == "Reduce":
+            if rank != op.root:
+                return None  # NCCL writes only the root's buffer
+            return self._reduce([_view(o.send, k, dt) for o in ops], op.op)
+        if op.kind == "AllGather":
+            return np.concatenate([_view(o.send, k, dt) for o in ops])
+        if op.kind == "ReduceScatter":
+            blocks = [_view(o.send, n * k, dt)[rank * k : (rank + 1) * k] for o in ops]
+            return self._reduce(blocks, op.op)
+        raise AssertionError(f"fake nccl: unknown collective {op.kind}")
+
+    def _receive(self, c: _Comm, world: _World, op: _Op) -> None:
+        key = (op.peer, c.rank)
+        with world.cond:
+            if not self._wait(c, world, lambda: bool(world.mail.get(key))):
+                return
+            dtype, count, data = world.mail[key].popleft()
+        if (dtype, count) != (op.dtype, op.count):
+            self._hang(c, world)  # a send and a receive that do not match
+            return
+        if count:
+            dst = _view(op.recv, count, dtype).view(np.uint8)
+            dst[...] = np.frombuffer(data, dtype=np.uint8)
+
+
+def _current_device() -> int:
+    cupy = sys.modules.get("cupy")
+    try:
+        return int(cupy.cuda.runtime.getDevice()) if cupy is not None else 0
+    except Exception:
+        return 0
+
+
+def install(version: int = 23203) -> tuple[FakeNccl, Any]:
+    """Put a fresh fake in place of the process's NCCL; returns it and the replaced one."""
+    from collectives.backends import _nccl_lib
+
+    fake = FakeNccl(version)
+    previous = _nccl_lib.install(_nccl_lib.Nccl(fake, version, "fake libnccl (tests/fakes)"))
+    return fake, previous
