@@ -58,6 +58,7 @@ from .._types import (
     ReduceOp,
 )
 from . import _shm
+from ._proc import pid_alive
 from ._shm import Futex, Segment
 
 __all__ = ["CpuBackend"]
@@ -113,23 +114,6 @@ def _align(n: int, a: int) -> int:
 def _ge(value: int, target: int) -> bool:
     """``value >= target`` for wrapping 32-bit counters."""
     return ((value - target) & _M) < _HALF
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
@@ -295,7 +279,7 @@ class CpuBackend(Backend):
                 pass
             for q, peer in enumerate(peers):
                 pid = peer.hdr[_W_PID] if isinstance(peer, _Peer) else 0
-                if q != self.me and not _pid_alive(pid):
+                if q != self.me and not pid_alive(pid):
                     raise PeerFailureError(
                         f"[rank {info.global_rank}] cpu backend setup of {info.describe()}: "
                         f"rank {info.ranks[q]} (pid {pid}) is gone: its process exited or was "
@@ -402,7 +386,7 @@ class CpuBackend(Backend):
 
     def _check_alive(self, req: Request) -> None:
         for q, peer in enumerate(self.peers):
-            if q != self.me and not _pid_alive(peer.hdr[_W_PID]):
+            if q != self.me and not pid_alive(peer.hdr[_W_PID]):
                 raise PeerFailureError(
                     self._where(req)
                     + f": rank {self.info.ranks[q]} (pid {peer.hdr[_W_PID]}) is gone: its "

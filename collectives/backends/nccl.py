@@ -73,6 +73,7 @@ from .._types import (
 )
 from .._work import Work
 from . import _nccl_lib as L
+from ._proc import pid_alive
 
 __all__ = ["NcclBackend"]
 
@@ -95,23 +96,6 @@ def _check_enabled() -> bool:
 
 def _split_enabled() -> bool:
     return os.environ.get("DPT_NCCL_SPLIT", "1").strip().lower() not in ("0", "false", "no")
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def _host_id() -> str:
@@ -1129,7 +1113,7 @@ class NcclBackend(Backend):
                 return
         host = _host_id()
         for r, (pid, peer_host) in (self._peers or {}).items():
-            if r != self.me and peer_host == host and not _pid_alive(pid):
+            if r != self.me and peer_host == host and not pid_alive(pid):
                 self._peer_error(
                     oldest,
                     PeerFailureError,

@@ -633,7 +633,7 @@ def test_dead_local_peer_fails_waiting_ranks_fast(
 
     pool = launch(fresh, 2, timeout=LONG)
     pool.run("bodies:ping", {"seed": 0})
-    monkeypatch.setattr(nccl, "_pid_alive", lambda pid: pid != os.getpid())
+    monkeypatch.setattr(nccl, "pid_alive", lambda pid: pid != os.getpid())
     got = results(pool.call("bodies:skip_collective", {"sleep": 1.0, "skipper": 1}))
     res = got[0]
     assert res["type"] == "PeerFailureError", res
