@@ -1,0 +1,1 @@
+"""Tests of the benchmark CLIs (functional only: nothing here is timed)."""
