@@ -239,3 +239,20 @@ def test_cpu_allreduce_wrapper_translates() -> None:
     assert argv[argv.index("--nproc") + 1] == "4" and argv[argv.index("-e") + 1] == "64M"
     argv = cpu_allreduce.translate(["--no-zero-copy", "--peers", ""])
     assert argv[argv.index("--compare") + 1] == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+def test_nccl_on_a_gpu_end_to_end(op: str, tmp_path: Path) -> None:
+    # The GPU path of the CLI: CuPy buffers, device synchronization, the device-copy share.
+    out = tmp_path / "nccl.json"
+    p = bench(
+        "--backend", "nccl", "--device", "cuda", "--nproc", "1", "--op", op,
+        "-b", "8", "-e", "4M", "-f", "16", "--json", str(out), timeout=240,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = data_rows(p.stdout)
+    assert rows and all(r[8] == "0" for r in rows), p.stdout  # #wrong column
+    report = json.loads(out.read_text())
+    assert report["results"][report["engine"]]["rows"], report
