@@ -849,7 +849,9 @@ def coordinate(args: argparse.Namespace) -> int:
     ours = choose_engine(args)
     why = availability(ours, args.device)
     if why is not None:
-        raise UsageError(f"--backend {args.backend} ({ours}) cannot run here: {why}")
+        # One line, even when the probe lists every path it tried on lines of its own.
+        reason = " ".join(part.strip() for part in why.splitlines() if part.strip())
+        raise UsageError(f"--backend {args.backend} ({ours}) cannot run here: {reason}")
     peers = [p.strip() for p in args.compare.split(",") if p.strip() and p.strip() != ours]
     for p in peers:
         if p not in ENGINES:
