@@ -68,6 +68,10 @@ class Work:
                 op=self.op,
                 seq=self.seq,
             )
+        return self._deliver()
+
+    def _deliver(self) -> Any:
+        """Once done: raise the collective's error, or return its (finalized) output."""
         if self._error is not None:
             raise self._error
         if self._finalize is not None:

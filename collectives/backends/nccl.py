@@ -227,12 +227,7 @@ class _NcclWork(Work):
                     )
             else:
                 b._stream_wait(self)
-        if self._error is not None:
-            raise self._error
-        if self._finalize is not None:
-            self._output = self._finalize(self._output)
-            self._finalize = None
-        return self._output
+        return self._deliver()
 
     def is_completed(self) -> bool:
         """True once the collective finished (or failed); polls the GPU and the group."""
