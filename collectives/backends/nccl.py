@@ -48,7 +48,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections import deque
 from typing import Any
 
@@ -63,13 +62,13 @@ from .._errors import (
     PeerFailureError,
 )
 from .._registry import register_backend
-from .._types import (
-    CODE_DTYPES,
-    CODE_OPS,
-    CODE_REDUCES,
-    DTYPE_CODES,
-    OP_CODES,
-    REDUCE_CODES,
+from .._sigrec import (
+    P2P_WORDS,
+    SIG_BYTES,
+    SIG_WORDS,
+    describe_record,
+    mismatch_text,
+    pack_signature,
 )
 from .._work import Work
 from . import _nccl_lib as L
@@ -77,12 +76,7 @@ from ._proc import pid_alive
 
 __all__ = ["NcclBackend"]
 
-SIG_WORDS = 16  # int64 words per signature record
-SIG_BYTES = SIG_WORDS * 8
-_SIG_MAGIC = 0x4450545349470001  # "DPTSIG" v1, last word of every record
 _RING = 64  # signature slots in flight
-_MAX_DIMS = 8
-_P2P_WORDS = [0, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # seq, dtype, ndim, dims, crc
 _REMOTE_AGE = 0.25  # a call pending this long makes the watchdog look at the store
 _REMOTE_EVERY = 0.25  # ...at most this often
 _POLL_MIN, _POLL_MAX = 0.002, 0.02  # watchdog poll interval bounds (seconds)
@@ -590,7 +584,7 @@ class NcclBackend(Backend):
         slot = self._take_slot(work)
         words = self._sig_cache.get(req.signature)
         if words is None:
-            words = self._sig_cache[req.signature] = self._pack(req)
+            words = self._sig_cache[req.signature] = pack_signature(req)
             if len(self._sig_cache) > 4096:
                 self._sig_cache.clear()
         row = self._sig_send[slot]
@@ -639,22 +633,6 @@ class NcclBackend(Backend):
         work.slot = slot
         self._slot_owner[slot] = work
         return slot
-
-    def _pack(self, req: Request) -> np.ndarray[Any, Any]:
-        sig = req.signature
-        words = np.zeros(SIG_WORDS, dtype=np.int64)
-        shape = list(sig.shape)
-        words[1] = OP_CODES[req.op]
-        words[2] = DTYPE_CODES.get(sig.dtype, 0) if sig.dtype is not None else 0
-        words[3] = REDUCE_CODES[sig.reduce_op]
-        words[4] = sig.root
-        words[5] = len(shape)
-        dims = shape[:_MAX_DIMS]
-        words[6 : 6 + len(dims)] = dims
-        if len(shape) > _MAX_DIMS:
-            words[14] = zlib.crc32(repr(tuple(shape)).encode())
-        words[15] = _SIG_MAGIC
-        return words
 
     def _enqueue_call(self, req: Request, work: _NcclWork, sptr: int) -> None:
         lib, comm, op, n = self.lib, self.comm, req.op, self.n
@@ -859,11 +837,11 @@ class NcclBackend(Backend):
         recs = self._sig_recv[w.slot]
         if w.op == "recv":
             theirs = recs[0]
-            if not np.array_equal(theirs[_P2P_WORDS], mine[_P2P_WORDS]):
+            if not np.array_equal(theirs[P2P_WORDS], mine[P2P_WORDS]):
                 src = self.info.ranks[w.peer]
                 err = CollectiveMismatchError(
-                    f"{self._where(w.op, w.seq)}: rank {src} sent {_describe(theirs)} but this "
-                    f"rank expects {_describe(mine)}",
+                    f"{self._where(w.op, w.seq)}: rank {src} sent {describe_record(theirs)} but "
+                    f"this rank expects {describe_record(mine)}",
                     rank=self.info.global_rank,
                     op=w.op,
                     seq=w.seq,
@@ -872,16 +850,10 @@ class NcclBackend(Backend):
             return
         if np.array_equal(recs[:, :15], np.broadcast_to(mine[:15], (self.n, 15))):
             return
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r in range(self.n):
-            groups.setdefault(tuple(int(v) for v in recs[r]), []).append(self.info.ranks[r])
-        parts = [
-            f"ranks {ranks} called {_describe(np.array(rec, dtype=np.int64))}"
-            for rec, ranks in groups.items()
-        ]
+        text = mismatch_text(recs, self.info.ranks) or "records differ"
         err = CollectiveMismatchError(
             f"{self._where(w.op, w.seq)}: ranks issued different collectives at the same "
-            "point: " + "; ".join(parts) + " (the call's output is undefined)",
+            f"point: {text} (the call's output is undefined)",
             rank=self.info.global_rank,
             op=w.op,
             seq=w.seq,
@@ -1195,22 +1167,6 @@ class NcclBackend(Backend):
         with contextlib.suppress(Exception):
             store.set(self._key(f"closed/{self.me}"), str(self._issued))
             store.add(self._key("closed"), 1)
-
-
-def _describe(rec: np.ndarray[Any, Any]) -> str:
-    """``all_reduce #2(dtype=float32, shape=(16,), op=SUM)`` from a signature record."""
-    seq, op, dtype, red, root, ndim = (int(v) for v in rec[:6])
-    name = CODE_OPS.get(op, "?")
-    shape = tuple(int(v) for v in rec[6 : 6 + min(ndim, _MAX_DIMS)])
-    dt = CODE_DTYPES.get(dtype)
-    parts = [f"dtype={dt if dt is not None else None}", f"shape={shape}"]
-    if root >= 0 and name in ("broadcast", "reduce"):
-        parts.append(f"root={root}")
-    if CODE_REDUCES.get(red) is not None:
-        parts.append(f"op={CODE_REDUCES[red]}")
-    if name == "barrier":
-        parts = []
-    return f"{name} #{seq}(" + ", ".join(parts) + ")"
 
 
 def _probe() -> str | None:
