@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._backend import GroupInfo
-from ._env import EnvConfig, read_env, resolve_init_method
+from ._env import EnvConfig, EnvError, read_env, resolve_init_method
 from ._errorfile import install_excepthook
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, get_backend_spec, registered_backends
@@ -120,15 +120,24 @@ def init_process_group(
             )
         seconds = _seconds(timeout)
         install_excepthook()  # under a launcher: this rank's traceback goes to its error file
-        env = resolve_init_method(init_method, rank=rank, world_size=world_size)
-        name = backend if backend is not None else _default_backend(env.world_size)
-        spec = get_backend_spec(name)
-        reason = spec.probe()
-        if reason is not None:
-            raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
-        store = None
-        if env.world_size > 1:
-            store = _rendezvous(env, seconds)
+        if backend is not None and get_backend_spec(backend).world is not None:
+            # The backend's own runtime (mpiexec) placed this process: no store to meet at.
+            spec = get_backend_spec(backend)
+            reason = spec.probe()
+            if reason is not None:
+                raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
+            env = _world_from_backend(spec, init_method, rank, world_size)
+            store = None
+        else:
+            env = resolve_init_method(init_method, rank=rank, world_size=world_size)
+            name = backend if backend is not None else _default_backend(env.world_size)
+            spec = get_backend_spec(name)
+            reason = spec.probe()
+            if reason is not None:
+                raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
+            store = None
+            if env.world_size > 1:
+                store = _rendezvous(env, seconds)
         info = GroupInfo(
             rank=env.rank,
             size=env.world_size,
@@ -152,6 +161,41 @@ def init_process_group(
             atexit.register(destroy_process_group)
             _atexit_registered = True
         return group
+
+
+def _world_from_backend(
+    spec: Any, init_method: str, rank: int | None, world_size: int | None
+) -> EnvConfig:
+    """Rank and size from the backend's runtime (MPI), checked against any the environment,
+    the init method or the arguments give: they must describe the same process."""
+    b_rank, b_size, b_local, b_local_size = spec.world()
+    base = dict(os.environ)
+    # The store's address is not needed; defaults keep read_env from asking for it.
+    base.setdefault("MASTER_ADDR", "127.0.0.1")
+    base.setdefault("MASTER_PORT", "1")
+    try:
+        given = resolve_init_method(init_method, rank=rank, world_size=world_size, environ=base)
+    except EnvError as exc:
+        raise EnvError(f"init_process_group(backend={spec.name!r}): {exc}") from exc
+    if given.source != "default" and (given.rank, given.world_size) != (b_rank, b_size):
+        raise EnvError(
+            f"init_process_group(backend={spec.name!r}): the {given.source} settings make this "
+            f"process rank {given.rank} of {given.world_size}, but {spec.name.upper()} started "
+            f"it as rank {b_rank} of {b_size}"
+            + (" (a singleton: it was not started by mpiexec/mpirun)" if b_size == 1 else "")
+            + f". Start every rank with `mpiexec -n {given.world_size} python ...` (not "
+            "collectives.run, torchrun or spawn, whose processes MPI cannot join), or use "
+            "backend='cpu' with those launchers"
+        )
+    return EnvConfig(
+        rank=b_rank,
+        world_size=b_size,
+        local_rank=b_local,
+        local_world_size=b_local_size,
+        master_addr="",
+        master_port=0,
+        source=spec.name if given.source == "default" else f"{given.source}+{spec.name}",
+    )
 
 
 def _rendezvous(env: EnvConfig, timeout: float) -> Any:
@@ -328,6 +372,12 @@ def new_group(
     if bname == "serial" and len(members) > 1:
         bname = "cpu"
     spec = get_backend_spec(bname)
+    if world.store is None and size > 1 and len(members) > 1 and spec.world is None:
+        raise ValueError(
+            f"new_group(backend={bname!r}): that backend meets through the job's TCP store, "
+            f"which a job initialized with backend {default_backend!r} does not have; use "
+            f"backend={default_backend!r} for this group"
+        )
     # A backend may build the new group from the default group's (ncclCommSplit): every rank
     # of the default group takes part, members or not.
     parent = world.default.backend if bname == default_backend else None

@@ -19,12 +19,16 @@ class BackendSpec:
         factory: builds the backend for one group (collective over the group's members).
         probe: returns None when usable here, else the reason it is not.
         description: one line for ``show_config()``.
+        world: for backends whose own runtime started the job (mpi: ``mpiexec``), returns
+            this process's place in it as ``(rank, size, local_rank, local_size)``; the
+            backend then needs no TCP store. None for backends that rendezvous through it.
     """
 
     name: str
     factory: Callable[[GroupInfo], Backend]
     probe: Callable[[], str | None]
     description: str
+    world: Callable[[], tuple[int, int, int, int]] | None = None
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -35,9 +39,10 @@ def register_backend(
     factory: Callable[[GroupInfo], Backend],
     probe: Callable[[], str | None] | None = None,
     description: str = "",
+    world: Callable[[], tuple[int, int, int, int]] | None = None,
 ) -> None:
-    """Register (or replace) a backend under ``name``."""
-    _REGISTRY[name] = BackendSpec(name, factory, probe or (lambda: None), description)
+    """Register (or replace) a backend under ``name`` (see :class:`BackendSpec`)."""
+    _REGISTRY[name] = BackendSpec(name, factory, probe or (lambda: None), description, world)
 
 
 def get_backend_spec(name: str) -> BackendSpec:
