@@ -1,8 +1,9 @@
 """Every collective, on real processes, against a NumPy reference.
 
 One test body per collective (in ``bodies.py``) runs on every pool: backend ``serial`` (world
-size 1) and ``cpu`` at world sizes 1-4, plus ``cpu`` pools with 4 KiB chunks that force the
-chunked and multi-chunk point-to-point paths at small sizes. Bodies check their own result on
+size 1), ``cpu`` at world sizes 1-4, ``cpu`` pools with 4 KiB chunks that force the chunked
+and multi-chunk point-to-point paths at small sizes, and ``mpi`` at world sizes 1-4 under
+``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check). Bodies check their own result on
 every rank and raise with the details; a failing rank fails the test with every rank's
 traceback (see ``harness``). Every test has a hard time limit.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.collectives.harness import PoolCache, PoolSpec, RankPool
+from tests.collectives.harness.mpipool import mpi_unavailable_reason
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,8 +24,15 @@ SMALL_CHUNKS = (("DPT_CPU_CHUNK_BYTES", "4096"), ("DPT_CPU_P2P_CHUNK_BYTES", "40
 SERIAL = PoolSpec("serial", 1)
 CPU = [PoolSpec("cpu", n) for n in (1, 2, 3, 4)]
 CHUNKED = [PoolSpec("cpu", n, SMALL_CHUNKS, tag="4k") for n in (2, 3)]
-ALL = [SERIAL, *CPU, *CHUNKED]
-DEFAULT_CHUNKS = [SERIAL, *CPU]
+MPI = [PoolSpec("mpi", n) for n in (1, 2, 3, 4)]  # started by mpiexec (harness/mpipool.py)
+NONBLOCKING = (("DPT_MPI_ENGINE", "nonblocking"),)
+MPI_VARIANTS = [
+    *(PoolSpec("mpi", n, NONBLOCKING, tag="nb") for n in (2, 3)),  # Iallreduce... + Test()
+    PoolSpec("mpi", 3, (("DPT_MPI_CHECK", "0"),), tag="nocheck"),
+    PoolSpec("mpi", 4, (("DPT_MPI_P2P_CHECK_MAX", "2"),), tag="gathercheck"),  # Iallgather
+]
+ALL = [SERIAL, *CPU, *CHUNKED, *MPI, *MPI_VARIANTS]
+DEFAULT_CHUNKS = [SERIAL, *CPU, *MPI]
 MULTI = [s for s in ALL if s.world_size > 1]
 
 FLOATS = ["float16", "float32", "float64"]
@@ -46,6 +55,8 @@ def params(specs: list[PoolSpec]) -> Any:
 @pytest.fixture
 def pool(request: pytest.FixtureRequest, pool_cache: PoolCache) -> RankPool:
     spec: PoolSpec = request.param
+    if spec.backend == "mpi" and (reason := mpi_unavailable_reason()) is not None:
+        pytest.skip(f"backend mpi: {reason}")
     return pool_cache.get(spec)
 
 
@@ -231,7 +242,7 @@ def test_broadcast_object_not_json_fails_every_rank(pool: RankPool) -> None:
     [([0, 2], 2), ([2, 0], 0), ([1], 1), ([3, 1, 2], 1), ([0, 1, 2, 3], 3)],
     ids=["0-2", "2-0", "1", "3-1-2", "all"],
 )
-@params([PoolSpec("cpu", 4)])
+@params([PoolSpec("cpu", 4), PoolSpec("mpi", 4)])
 def test_subgroup(pool: RankPool, seed: int, members: list[int], src: int) -> None:
     got = pool.run("bodies:subgroups", {"seed": seed, "members": members, "src": src})
     for rank, res in enumerate(got):
@@ -247,7 +258,7 @@ def test_subgroup(pool: RankPool, seed: int, members: list[int], src: int) -> No
             assert all(f"rank {rank}" in e and "not a member" in e for e in res["errors"])
 
 
-@params([PoolSpec("cpu", 3)])
+@params([PoolSpec("cpu", 3), PoolSpec("mpi", 3)])
 def test_subgroup_root_outside_group(pool: RankPool) -> None:
     got = pool.run("bodies:subgroup_bad_root", {"members": [0, 1], "outsider": 2})
     for rank in (0, 1):
@@ -271,7 +282,7 @@ def test_alloc_buckets_async(pool: RankPool, seed: int) -> None:
 
 
 # ---------------------------------------------------------------------------- async
-@params([PoolSpec("cpu", 2), PoolSpec("cpu", 4)])
+@params([PoolSpec("cpu", 2), PoolSpec("cpu", 4), PoolSpec("mpi", 2), *MPI_VARIANTS[:1]])
 def test_work_wait_timeout_leaves_collective_running(pool: RankPool, tmp_path: Path) -> None:
     got = pool.run("bodies:work_wait_timeout", {"directory": str(tmp_path)})
     msg = got[0]["message"]
@@ -327,6 +338,7 @@ FAKE_CUPY = (("DPT_TEST_FAKE_CUPY", "1"),)
     [
         PoolSpec("serial", 1, FAKE_CUPY, tag="fakecupy"),
         PoolSpec("cpu", 3, FAKE_CUPY, tag="fakecupy"),
+        PoolSpec("mpi", 3, FAKE_CUPY, tag="fakecupy"),
     ]
 )
 def test_cupy_arrays_staged_through_host(pool: RankPool, seed: int) -> None:

