@@ -259,8 +259,13 @@ class MpiBackend(Backend):
                 "some rank never arrived (with more than DPT_MPI_P2P_CHECK_MAX ranks MPI "
                 "cannot say which)"
             )
-        else:
+        elif self.check:
             detail = "every rank arrived, but the data transfer did not finish"
+        else:
+            detail = (
+                "a rank did not call it, or the transfer stalled (DPT_MPI_CHECK=0: without the "
+                "signature exchange MPI cannot say which)"
+            )
         return CollectiveTimeoutError(
             f"{self._where(req.op, req.seq)}: timed out after {self.info.timeout:g} s; {detail}. "
             "MPI cannot cancel the call: this group is unusable, and the job is aborted "

@@ -3,9 +3,9 @@
 One test body per collective (in ``bodies.py``) runs on every pool: backend ``serial`` (world
 size 1), ``cpu`` at world sizes 1-4, ``cpu`` pools with 4 KiB chunks that force the chunked
 and multi-chunk point-to-point paths at small sizes, and ``mpi`` at world sizes 1-4 under
-``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check). Bodies check their own result on
-every rank and raise with the details; a failing rank fails the test with every rank's
-traceback (see ``harness``). Every test has a hard time limit.
+``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check).
+Bodies check their own result on every rank and raise with the details; a failing rank fails
+the test with every rank's traceback (see ``harness``). Every test has a hard time limit.
 """
 
 from __future__ import annotations

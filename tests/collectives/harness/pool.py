@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHM_DIR = Path("/dev/shm")
@@ -155,7 +155,7 @@ class RankPool:
     @classmethod
     def launch(
         cls, backend: str, world_size: int, *, init_deadline: float = 60.0, **kw: Any
-    ) -> RankPool:
+    ) -> Self:
         """Start a pool and require every rank to join (else fail with every rank's story)."""
         for attempt in range(2):
             pool = cls(backend, world_size, **kw)
