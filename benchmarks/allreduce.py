@@ -1,9 +1,10 @@
 """allreduce-bench: collective throughput in the nccl-tests format, with peers side by side.
 
-    allreduce-bench --nproc 2 -b 4K -e 256M --compare gloo,mpi    # own ranks on this host
+    allreduce-bench --nproc 2 -b 4K -e 256M --compare gloo,mpi4py  # own ranks on this host
     allreduce-bench --nproc 2 --zero-copy --op all_gather --json out.json --plot out.png
     python -m collectives.run --nproc 4 -m benchmarks.allreduce -b 1M -e 1G   # inside ranks
-    mpirun -n 4 allreduce-bench --backend mpi                                  # mpi4py ranks
+    allreduce-bench --nproc 2 --backend mpi --compare cpu,mpi-nb,mpi4py        # via mpiexec
+    mpirun -n 4 allreduce-bench --backend mpi                                  # inside ranks
 
 Without ``--nproc`` inside ranks started by ``collectives.run``, torchrun, SLURM or mpirun
 (RANK/WORLD_SIZE, SLURM_PROCID or OMPI_COMM_WORLD_RANK set) it runs in those ranks; otherwise
@@ -40,7 +41,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
-ENGINES = ("cpu", "cpu-zc", "nccl", "gloo", "mpi")
+# Ours: cpu, cpu-zc (group.alloc buffers), nccl, mpi (blocking engine), mpi-nb (its
+# non-blocking engine). Peers: gloo (torch.distributed), mpi4py (raw calls on COMM_WORLD).
+ENGINES = ("cpu", "cpu-zc", "nccl", "mpi", "mpi-nb", "gloo", "mpi4py")
+_MPIEXEC_ENGINES = ("mpi", "mpi-nb", "mpi4py")
 SCHEMA = "allreduce-bench/1"
 CORRUPT_ENV = "DPT_BENCH_CORRUPT"  # test hook: rank 0 spoils this many result elements
 CHECK_ITERS = 2
@@ -169,7 +173,7 @@ class Engine:
 
 
 class Ours(Engine):
-    """This project's collectives (cpu, cpu with group.alloc buffers, nccl)."""
+    """This project's collectives (cpu, cpu with group.alloc buffers, nccl, mpi)."""
 
     def __init__(self, backend: str, zero_copy: bool, device: str) -> None:
         import collectives as C
@@ -307,6 +311,8 @@ def make_engine(engine: str, device: str) -> Engine:
         return Ours("cpu", zero_copy=engine == "cpu-zc", device=device)
     if engine == "nccl":
         return Ours("nccl", zero_copy=False, device="cuda")
+    if engine in ("mpi", "mpi-nb"):
+        return Ours("mpi", zero_copy=False, device=device)  # DPT_MPI_ENGINE set by launch()
     if engine == "gloo":
         return Gloo()
     return Mpi()
@@ -509,12 +515,14 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         env.pop(var, None)
     argv = _worker_argv(engine, args, out)
-    if engine == "mpi":
+    if engine in _MPIEXEC_ENGINES:
         here = os.path.dirname(sys.executable)
         mpiexec = shutil.which("mpiexec", path=here) or shutil.which("mpiexec")
         if mpiexec is None:
             return "mpiexec not found (pip install 'dpt[mpi]')"
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if engine in ("mpi", "mpi-nb"):
+            env["DPT_MPI_ENGINE"] = "nonblocking" if engine == "mpi-nb" else "blocking"
         cmd = [mpiexec, "-n", str(args.nproc), "--oversubscribe", sys.executable, *argv]
         p = subprocess.run(
             cmd,
@@ -578,11 +586,14 @@ def availability(engine: str, device: str) -> str | None:
             return "torch is not installed (pip install torch)"
         if not (dist.is_available() and dist.is_gloo_available()):
             return "this torch build has no gloo"
-    if engine == "mpi":
+    if engine in _MPIEXEC_ENGINES:
         try:
             import mpi4py  # noqa: F401
         except ImportError:
             return "mpi4py is not installed (pip install 'dpt[mpi]')"
+        here = os.path.dirname(sys.executable)
+        if (shutil.which("mpiexec", path=here) or shutil.which("mpiexec")) is None:
+            return "mpiexec not found (pip install 'dpt[mpi]')"
     return None
 
 
@@ -796,7 +807,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
-    p.add_argument("--compare", default="", help="peers, comma separated: gloo,mpi,cpu,cpu-zc")
+    p.add_argument(
+        "--compare",
+        default="",
+        help="peers, comma separated: gloo,mpi4py (others'), cpu,cpu-zc,mpi,mpi-nb (ours)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--zero-copy", action="store_true", help="cpu: buffers from group.alloc")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)

@@ -1,9 +1,9 @@
 """Backwards-compatible wrapper: the cpu backend's all-reduce against gloo and MPI.
 
-    python -m benchmarks.cpu_allreduce [--nproc 2] [-e 64M] [--peers gloo,mpi] [--json out.json]
+    python -m benchmarks.cpu_allreduce [--nproc 2] [-e 64M] [--peers gloo,mpi4py] [--json out.json]
 
 Kept for old command lines; the one implementation is ``benchmarks/allreduce.py``
-(``allreduce-bench``). This runs ``allreduce-bench --backend cpu --compare cpu-zc,gloo,mpi``
+(``allreduce-bench``). This runs ``allreduce-bench --backend cpu --compare cpu-zc,gloo,mpi4py``
 (``--no-zero-copy`` drops ``cpu-zc``, ``--peers`` picks the others, ``--reps`` is
 ``--blocks``).
 """
@@ -24,7 +24,7 @@ def translate(argv: list[str] | None = None) -> list[str]:
     p.add_argument("-f", "--step-factor", type=int, default=4)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--reps", type=int, default=5, help="timed blocks per size")
-    p.add_argument("--peers", default="gloo,mpi", help="comma list of gloo,mpi; '' for none")
+    p.add_argument("--peers", default="gloo,mpi4py", help="comma list of gloo,mpi4py; '' for none")
     p.add_argument("--no-zero-copy", action="store_true", help="skip the cpu-zc engine")
     p.add_argument("--json", help="write all results here")
     a = p.parse_args(argv)

@@ -212,9 +212,30 @@ def test_mpi_without_mpi4py() -> None:
     assert p.returncode == 2 and "mpi4py is not installed" in p.stderr
 
 
+@pytest.mark.timeout(180)
+def test_mpi_backend_beside_its_engines_and_raw_mpi4py(tmp_path: Path) -> None:
+    """--backend mpi runs our mpi backend under mpiexec; mpi-nb (its non-blocking engine) and
+    raw mpi4py run beside it in the same report, every result checked."""
+    if (why := _probe("mpi")) is not None:
+        pytest.skip(why)
+    out = tmp_path / "r.json"
+    p = bench("--nproc", "2", "--backend", "mpi", *TINY, "--compare", "mpi-nb,mpi4py",
+              "--json", str(out), timeout=170)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "engine mpi, 2 ranks" in p.stdout
+    rows = data_rows(p.stdout)
+    assert [int(r[0]) for r in rows] == [64, 256, 1024]
+    assert all(r[8] == "0" for r in rows)  # ours
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"mpi", "mpi-nb", "mpi4py"}
+    for eng, res in doc["results"].items():
+        assert res["world"] == 2, eng
+        assert [r["wrong"] for r in res["rows"]] == [0, 0, 0], eng
+
+
 @pytest.mark.timeout(120)
 def test_missing_peer_is_skipped_with_reason() -> None:
-    missing = [e for e in ("gloo", "mpi") if _probe(e) is not None]
+    missing = [e for e in ("gloo", "mpi4py") if _probe(e) is not None]
     if not missing:
         pytest.skip("torch and mpi4py are both installed here")
     p = bench("--nproc", "1", *TINY, "--compare", ",".join(missing))
