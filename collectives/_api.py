@@ -378,6 +378,16 @@ def new_group(
             f"which a job initialized with backend {default_backend!r} does not have; use "
             f"backend={default_backend!r} for this group"
         )
+    if spec.world is not None and bname != default_backend:
+        # The backend's runtime (MPI) starts on every rank of the job, members or not (its
+        # initialization is collective), and must see the same ranks as this job.
+        b_rank, b_size, _, _ = spec.world()
+        if (b_rank, b_size) != (me, size):
+            raise ValueError(
+                f"new_group(backend={bname!r}): this process is rank {me} of {size} in the "
+                f"job but rank {b_rank} of {b_size} to {bname.upper()}; such groups need a job "
+                "that mpiexec started"
+            )
     # A backend may build the new group from the default group's (ncclCommSplit): every rank
     # of the default group takes part, members or not.
     parent = world.default.backend if bname == default_backend else None

@@ -881,6 +881,15 @@ def _start_with_env(
 
 
 # ---------------------------------------------------------------------- Parallel
+def _mpiexec_world() -> int:
+    """The number of ranks an MPI launcher says it started (Open MPI, or MPICH's PMI), or 1."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        raw = os.environ.get(var, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return 1
+
+
 class Parallel:
     """Run a training function on every rank, as PyTorch Ignite's ``idist.Parallel`` does.
 
@@ -889,7 +898,8 @@ class Parallel:
     - ``nproc_per_node=N``: :meth:`run` spawns N ranks on this host (via :func:`spawn`), each
       with the group initialized, and calls ``fn(local_rank, *args, **kwargs)`` in each.
     - ``nproc_per_node=None`` inside a launched rank (RANK and WORLD_SIZE set, e.g. under
-      ``python -m collectives.run``): the group is initialized in this process and :meth:`run`
+      ``python -m collectives.run``; or one of several ranks ``mpiexec`` started, for
+      ``backend="mpi"``): the group is initialized in this process and :meth:`run`
       calls the function directly.
     - ``nproc_per_node=None`` without such an environment: world size 1 in this process (the
       serial backend).
@@ -945,7 +955,7 @@ class Parallel:
         if self.nproc_per_node is not None:
             self.mode = "spawn"
             return self
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        launched = ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or _mpiexec_world() > 1
         self.mode = "launched" if launched else "serial"
         if not _api.is_initialized():
             if launched:

@@ -8,6 +8,11 @@ The same script runs in every configuration:
     # 2 CPU ranks started by the launcher (torchrun-compatible environment):
     python -m collectives.run --nproc-per-node 2 examples/train_ddp.py
 
+    # 2 ranks started by mpiexec, on the mpi backend (the `mpi` extra; several hosts with a
+    # hostfile; as root Open MPI also wants OMPI_ALLOW_RUN_AS_ROOT=1 and
+    # OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1):
+    mpiexec -n 2 python examples/train_ddp.py --backend mpi
+
     # one process (world size 1, the serial backend; no special case in the code):
     python examples/train_ddp.py
 
@@ -74,6 +79,7 @@ class Config:
     resume: str | None = None
     bucket_cap_mb: float = 25.0
     progress: bool = True
+    backend: str | None = None  # None: chosen by the library (cpu, or nccl on GPUs)
 
 
 def rank_device(spec: str, local_rank: int) -> str:
@@ -233,6 +239,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         default=None,
         help="start this many ranks on this host (omit under a launcher, or for one process)",
     )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="collectives backend (default: cpu, or nccl with --device cuda); mpi needs "
+        "`mpiexec -n N python examples/train_ddp.py --backend mpi`",
+    )
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -261,6 +273,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         resume=a.resume,
         bucket_cap_mb=a.bucket_cap_mb,
         progress=not a.no_progress,
+        backend=a.backend,
     )
     return cfg, a.nproc
 
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_device(cfg.device, 0)  # fail here, once, before starting any rank
     # Parallel picks the mode: spawn nproc ranks; join the launcher's group (RANK/WORLD_SIZE
     # set); or world size 1 in this process. Spawned ranks run train() and report home as JSON.
-    with collectives.Parallel(nproc_per_node=nproc) as parallel:
+    with collectives.Parallel(backend=cfg.backend, nproc_per_node=nproc) as parallel:
         parallel.run(train, cfg)
     return 0
 

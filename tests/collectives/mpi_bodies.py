@@ -57,3 +57,20 @@ def user_comm_untouched(seed: int) -> int:
 
 def pid() -> int:
     return os.getpid()
+
+
+def mpi_subgroup_of_cpu_world(members: list[int]) -> dict[str, Any]:
+    """In a cpu-backend world that mpiexec started, an mpi group over some ranks
+    (``Comm.Create_group``): a SUM over its members, and the other ranks left out."""
+    rank = C.get_rank()
+    g = C.new_group(members, backend="mpi")
+    if rank not in members:
+        return {"member": False, "backend": C.get_backend()}
+    x = np.full(5, rank + 1.0)
+    C.all_reduce(x, group=g)
+    expect = sum(m + 1.0 for m in members)
+    if not (x == expect).all():
+        raise AssertionError(f"sum over {members}: got {x}, expected {expect}")
+    out = {"member": True, "backend": g.backend_name, "size": g.size, "value": float(x[0])}
+    C.destroy_process_group(g)
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.collectives.harness import REPO_ROOT, PoolCache, PoolSpec, Reply
+from tests.collectives.harness import REPO_ROOT, PoolCache, PoolSpec, Reply, free_port
 from tests.collectives.harness.mpipool import (
     MpiRankPool,
     mpi_env,
@@ -94,6 +94,18 @@ def test_new_group_of_a_store_backend_is_refused(pool_cache: PoolCache) -> None:
     for res in pool.run("mpi_bodies:new_group_other_backend"):
         assert res["type"] == "ValueError", res
         assert "backend='cpu'" in res["message"] and "use backend='mpi'" in res["message"], res
+
+
+def test_mpi_group_inside_a_cpu_world(pools: list[MpiRankPool]) -> None:
+    """A cpu world whose ranks mpiexec started (env:// from Open MPI's variables plus
+    MASTER_ADDR/PORT) builds an mpi group with Comm.Create_group, over its members only."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    pool = MpiRankPool.launch("cpu", 3, env=env, timeout=30)
+    pools.append(pool)
+    got = pool.run("mpi_bodies:mpi_subgroup_of_cpu_world", {"members": [2, 0]})
+    assert got[1] == {"member": False, "backend": "cpu"}
+    for r in (0, 2):
+        assert got[r] == {"member": True, "backend": "mpi", "size": 2, "value": 4.0}
 
 
 def test_env_that_disagrees_with_mpi_is_an_error(pools: list[MpiRankPool]) -> None:

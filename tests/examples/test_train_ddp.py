@@ -145,6 +145,35 @@ def test_launcher_form(tmp_path: Path) -> None:
     assert ckpt.is_file()
 
 
+@pytest.mark.timeout(120)
+def test_mpiexec_form_on_the_mpi_backend(tmp_path: Path) -> None:
+    """``mpiexec -n 2 python examples/train_ddp.py --backend mpi``: Parallel sees the ranks
+    mpiexec started, and DDP trains on the mpi backend."""
+    from tests.collectives.harness.mpipool import mpi_env, mpi_unavailable_reason, mpiexec_command
+
+    if (reason := mpi_unavailable_reason()) is not None:
+        pytest.skip(f"backend mpi: {reason}")
+    ckpt = tmp_path / "mpi.npz"
+    env = mpi_env()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [*mpiexec_command(2), sys.executable, SCRIPT, "--backend", "mpi", "--epochs", "2"]
+        + ["--no-progress", "--checkpoint", str(ckpt)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    out = _ok(proc)
+    assert "world size 2 (mpi backend" in out
+    assert _epoch_lines(out) == [1, 2]
+    assert _final_accuracy(out) >= 0.9
+    assert _load(ckpt)["step"] == 2 * STEPS_PER_EPOCH
+
+
 @pytest.mark.timeout(60)
 def test_one_process_is_world_size_one(tmp_path: Path) -> None:
     proc = _run([SCRIPT, "--epochs", "1", "--no-progress", "--checkpoint", str(tmp_path / "c.npz")])
