@@ -66,6 +66,8 @@ def mpi_subgroup_of_cpu_world(members: list[int]) -> dict[str, Any]:
     g = C.new_group(members, backend="mpi")
     if rank not in members:
         return {"member": False, "backend": C.get_backend()}
+    if not isinstance(g, C.ProcessGroup):
+        raise AssertionError(f"rank {rank} is a member but got {g!r}")
     x = np.full(5, rank + 1.0)
     C.all_reduce(x, group=g)
     expect = sum(m + 1.0 for m in members)
