@@ -11,7 +11,8 @@ The whole run stays within ``BUDGET_S`` (under eight minutes): each step's timeo
 what is left, keeping time for the steps after it. The NCCL step runs benchmarks/nccl_bench.py
 (our nccl backend against NCCL called directly, 8 B .. 1 GiB) at world size 1, and with
 several ranks on this host when the GPUs or the NCCL version allow it (NCCL >= 2.30 lets ranks
-share a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
+share a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1). Last, the DDP example trains on NCCL at world
+size 1 and, where allowed, 2 (the gpu tests include DDP over NCCL against a CPU reference).
 """
 
 from __future__ import annotations
@@ -147,10 +148,43 @@ def nccl_step(
     return steps, md
 
 
-def run(cmd: list[str], timeout: int, log: list[str]) -> tuple[int, str, float]:
+def ddp_nccl_steps(
+    info: dict[str, Any], py: str, left: Any, log: list[str]
+) -> list[tuple[str, int, str]]:
+    """The DDP example on NCCL: world size 1, and 2 ranks (one per GPU, or sharing one GPU
+    where NCCL allows it)."""
+    sizes, why = nccl_world_sizes(info)
+    steps: list[tuple[str, int, str]] = []
+    for n in [w for w in sizes if w <= 2]:
+        env: dict[str, str] = {"NCCL_SOCKET_IFNAME": "lo"}
+        if "share" in why:
+            env.update(DPT_ALLOW_SHARED_GPU="1", NCCL_MULTI_RANK_GPU_ENABLE="1")
+        name = f"examples/train_ddp.py --device cuda --backend nccl --nproc {n}"
+        budget = min(150, left())
+        if budget < 30:
+            steps.append((name, 124, "skipped: the time budget ran out"))
+            continue
+        with tempfile.TemporaryDirectory(prefix="gpu-check-ddp-") as tmp:
+            rc, text, took = run(
+                [py, "examples/train_ddp.py", "--device", "cuda", "--backend", "nccl"]
+                + ["--nproc", str(n), "--epochs", "8", "--no-progress"]
+                + ["--checkpoint", str(Path(tmp) / "ddp.npz")],
+                budget,
+                log,
+                env,
+            )
+        final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
+        steps.append((name, rc, final[-1] if final else text.strip()[-300:]))
+        print(f"ddp nccl x{n}: rc={rc} ({took:.0f} s) {steps[-1][2]}", flush=True)
+    return steps
+
+
+def run(
+    cmd: list[str], timeout: int, log: list[str], env_extra: dict[str, str] | None = None
+) -> tuple[int, str, float]:
     """Run a command from the repo root; return (exit code, output tail, seconds)."""
     t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env_extra or {}))
     try:
         p = subprocess.run(
             cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
@@ -225,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
     steps.append(("examples/train_mlp.py --device cuda", rc, final[-1] if final else text[-300:]))
     print(f"example cuda: rc={rc} {steps[-1][2]}", flush=True)
+
+    if not args.skip_nccl:
+        steps += ddp_nccl_steps(info, py, left, log)
 
     today = dt.date.today().isoformat()
     md = [f"## {today}: {info['gpu']} ({info['gpu_memory_gib']} GiB)", ""]
