@@ -279,6 +279,9 @@ class DistributedDataParallel(Module):
                     view.data[...] = p.grad.data
                     p.grad = view
                 b.views.append(view)
+                # Backward computes the gradient straight into the view when it can (linear
+                # layers), so no copy into the bucket is needed before communication.
+                p.set_grad_buffer(view)
                 self._loc[id(p)] = (b.index, j)
         self._buckets = buckets
 

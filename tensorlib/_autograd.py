@@ -45,6 +45,8 @@ class _GradState(threading.local):
         self.enabled = True
         # One list of queued callbacks per backward() call in progress on this thread.
         self.callback_stack: list[list[Callable[[], None]]] = []
+        # Leaves (by id) whose grad buffer an op already wrote into in this backward.
+        self.taken: set[int] = set()
 
 
 _state = _GradState()
@@ -278,6 +280,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
 
     callbacks: list[Callable[[], None]] = []
     _state.callback_stack.append(callbacks)
+    outer_taken, _state.taken = _state.taken, set()
     try:
         if root._ctx is None:
             _accumulate(root, seed, seed_owned)
@@ -290,6 +293,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
             i += 1
     finally:
         _state.callback_stack.pop()
+        _state.taken = outer_taken
 
 
 def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) -> None:
@@ -372,8 +376,12 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
                     owned = False
                 elif gi is g:
                     owned = g_owned and not any_view
+                elif getattr(gi, "base", None) is None:
+                    owned = True
                 else:
-                    owned = getattr(gi, "base", None) is None
+                    # The leaf's grad buffer (see take_grad_buffer) is meant to become .grad.
+                    buf = getattr(t, "_grad_buffer", None) if tctx is None else None
+                    owned = buf is not None and gi is buf._data
                 if isinstance(gi, np.generic):
                     gi = np.asarray(gi)
                     owned = True
@@ -406,11 +414,32 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
                     _accumulate(t, entry[0], entry[1])
 
 
+def take_grad_buffer(t: Tensor | None) -> Any | None:
+    """For ``Function.backward``: the array to write input ``t``'s gradient into, or None.
+
+    Returns the leaf's grad buffer (``Tensor.set_grad_buffer``) when ``t`` is a leaf with one,
+    its ``.grad`` is None, and no other op of this backward wrote into it yet (a tensor used
+    twice gets the buffer once; the engine adds the other gradient into it). The op must
+    write the full gradient there (``out=``) and return that array.
+    """
+    if t is None or t._ctx is not None or t._grad is not None:
+        return None
+    buf = getattr(t, "_grad_buffer", None)
+    if buf is None or id(t) in _state.taken:
+        return None
+    _state.taken.add(id(t))
+    return buf._data
+
+
 def _accumulate(leaf: Tensor, g: Any, owned: bool) -> None:
     """Add ``g`` into ``leaf.grad`` (in place when one exists) and fire its hooks."""
     current = leaf._grad
     if current is None:
-        leaf._grad = Tensor._wrap(g if owned else g.copy(), leaf._device)
+        buf = getattr(leaf, "_grad_buffer", None)
+        if buf is not None and g is buf._data:
+            leaf._grad = buf  # an op wrote the gradient into the buffer: it is .grad
+        else:
+            leaf._grad = Tensor._wrap(g if owned else g.copy(), leaf._device)
     else:
         current._data += g
     hooks = leaf._hooks

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._autograd import Function
+from ._autograd import Function, take_grad_buffer
+from ._ops_elementwise import xp_of
 
 __all__ = ["Linear", "Matmul"]
 
@@ -78,7 +79,11 @@ class Linear(Function):
             gx = g @ w
         if self.inputs[1] is not None:
             x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
-            gw = g2.T @ x2
+            # Straight into the weight's grad buffer when it has one (DDP's bucket).
+            out = take_grad_buffer(self.inputs[1]) if g2.dtype == x2.dtype == w.dtype else None
+            gw = g2.T @ x2 if out is None else xp_of(g2).matmul(g2.T, x2, out=out)
         if len(self.inputs) > 2 and self.inputs[2] is not None:
-            gb = g2.sum(axis=0)
+            bias = self.inputs[2]
+            out = take_grad_buffer(bias) if g2.dtype == bias._data.dtype else None
+            gb = g2.sum(axis=0) if out is None else g2.sum(axis=0, out=out)
         return (gx, gw, gb)[: len(self.inputs)]

@@ -51,7 +51,18 @@ class Tensor:
         requires_grad: whether operations on this tensor are recorded for backward.
     """
 
-    __slots__ = ("__weakref__", "_ctx", "_data", "_device", "_grad", "_hooks", "requires_grad")
+    # _grad_buffer is set only by set_grad_buffer (read with getattr(..., None)): leaving it
+    # unset keeps tensor creation, the hot path, one store shorter.
+    __slots__ = (
+        "__weakref__",
+        "_ctx",
+        "_data",
+        "_device",
+        "_grad",
+        "_grad_buffer",
+        "_hooks",
+        "requires_grad",
+    )
 
     _data: Any
     _device: Device
@@ -313,6 +324,44 @@ class Tensor:
         handle = _autograd.RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def set_grad_buffer(self, buffer: Tensor | None) -> None:
+        """Let backward write this leaf's gradient straight into ``buffer``.
+
+        When a backward pass starts with this leaf's ``.grad`` None, an op that can (the
+        weight and bias gradients of ``functional.linear``) computes the gradient directly
+        into ``buffer``, which then *becomes* ``.grad``: no copy into it afterwards. Other ops,
+        or a ``.grad`` that already exists (accumulation), work as usual. DDP uses this so that
+        gradients land in its communication buckets. ``None`` removes the buffer.
+
+        Args:
+            buffer: a C-contiguous tensor of this leaf's shape, dtype and device.
+
+        Raises:
+            RuntimeError: on a non-leaf, or a leaf that does not require grad.
+            ValueError: when ``buffer`` does not match or is not contiguous.
+        """
+        if buffer is None:
+            self._grad_buffer = None
+            return
+        if self._ctx is not None or not self.requires_grad:
+            raise RuntimeError("set_grad_buffer: only leaf tensors that require grad have one")
+        if not isinstance(buffer, Tensor):
+            raise TypeError(f"set_grad_buffer: expected a Tensor, got {type(buffer).__name__}")
+        b = buffer._data
+        if (
+            tuple(b.shape) != tuple(self._data.shape)
+            or b.dtype != self._data.dtype
+            or buffer._device != self._device
+        ):
+            raise ValueError(
+                f"set_grad_buffer: buffer must match the tensor's shape {tuple(self.shape)}, "
+                f"dtype {self._data.dtype} and device {self._device}; got {tuple(b.shape)}, "
+                f"{b.dtype}, {buffer._device}"
+            )
+        if not b.flags.c_contiguous:
+            raise ValueError("set_grad_buffer: buffer must be C-contiguous")
+        self._grad_buffer = buffer
 
     def zero_grad_(self) -> None:
         """Set ``.grad`` to None."""
