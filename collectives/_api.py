@@ -97,8 +97,9 @@ def init_process_group(
     """Join the job's default process group.
 
     Args:
-        backend: ``"serial"``, ``"cpu"``, ``"nccl"``, ``"mpi"``, or None to choose: serial at
-            world size 1, nccl when GPUs and NCCL are present, else cpu.
+        backend: ``"serial"``, ``"cpu"``, ``"nccl"``, ``"mpi"``, or None to choose: mpi for
+            several ranks that mpiexec started without MASTER_PORT (when mpi4py is
+            installed), serial at world size 1, nccl when GPUs and NCCL are present, else cpu.
         init_method: ``"env://"`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT..., or SLURM's or
             Open MPI's variables) or ``"tcp://host:port"`` with ``rank``/``world_size``.
         rank: this process's rank (overrides the environment).
@@ -120,6 +121,8 @@ def init_process_group(
             )
         seconds = _seconds(timeout)
         install_excepthook()  # under a launcher: this rank's traceback goes to its error file
+        if backend is None and _started_by_mpiexec():
+            backend = "mpi"
         if backend is not None and get_backend_spec(backend).world is not None:
             # The backend's own runtime (mpiexec) placed this process: no store to meet at.
             spec = get_backend_spec(backend)
@@ -161,6 +164,18 @@ def init_process_group(
             atexit.register(destroy_process_group)
             _atexit_registered = True
         return group
+
+
+def _started_by_mpiexec() -> bool:
+    """Several ranks that an MPI launcher started, with no store address, and mpi4py here:
+    ``init_process_group()`` then means the mpi backend (as under Horovod)."""
+    env = os.environ
+    if "MASTER_PORT" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        return False
+    size = env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or ""
+    if not size.strip().isdigit() or int(size) < 2:
+        return False
+    return "mpi" in available_backends()
 
 
 def _world_from_backend(

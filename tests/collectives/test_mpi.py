@@ -22,6 +22,7 @@ from tests.collectives.harness.mpipool import (
     MpiRankPool,
     mpi_env,
     mpi_unavailable_reason,
+    mpiexec_command,
 )
 from tests.collectives.test_reliability import MISMATCHES
 
@@ -117,6 +118,25 @@ def test_env_that_disagrees_with_mpi_is_an_error(pools: list[MpiRankPool]) -> No
         assert not rep.ok
         assert "rank 0 of 3" in rep.error and "MPI started it as rank" in rep.error, rep.error
         assert "mpiexec -n 3" in rep.error, rep.error
+
+
+def test_default_backend_under_mpiexec_is_mpi() -> None:
+    """``mpiexec -n 2 python train.py`` with ``init_process_group()``: no store address, so
+    the mpi backend (with MASTER_PORT set it would be the cpu backend's rendezvous)."""
+    code = (
+        "import collectives as C; g = C.init_process_group(); "
+        "print(C.get_backend(), g.rank, g.size, flush=True); C.destroy_process_group()"
+    )
+    proc = subprocess.run(
+        [*mpiexec_command(2), sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(proc.stdout.split("\n")[:2]) == ["mpi 0 2", "mpi 1 2"], proc.stdout
 
 
 def test_singleton_under_another_launcher_is_an_error(tmp_path: Any) -> None:
