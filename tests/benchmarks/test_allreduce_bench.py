@@ -234,6 +234,25 @@ def test_mpi_backend_beside_its_engines_and_raw_mpi4py(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_mpi_backend_inside_mpiexec_ranks() -> None:
+    """``mpiexec -n 2 allreduce-bench --backend mpi``: the ranks mpiexec started run it."""
+    from tests.collectives.harness.mpipool import mpi_env, mpi_unavailable_reason, mpiexec_command
+
+    if (why := mpi_unavailable_reason()) is not None:
+        pytest.skip(why)
+    env = mpi_env(_env())
+    p = subprocess.run(
+        [*mpiexec_command(2), sys.executable, "-m", "benchmarks.allreduce", "--backend", "mpi",
+         *TINY],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "engine mpi, 2 ranks" in p.stdout and "running mpi" not in p.stderr
+    rows = data_rows(p.stdout)
+    assert [int(r[0]) for r in rows] == [64, 256, 1024] and all(r[8] == "0" for r in rows)
+
+
+@pytest.mark.timeout(120)
 def test_missing_peer_is_skipped_with_reason() -> None:
     missing = [e for e in ("gloo", "mpi4py") if _probe(e) is not None]
     if not missing:
