@@ -10,6 +10,7 @@ the pool signals them by pid and tells their liveness from /proc; killing the po
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -58,12 +59,31 @@ def mpiexec_command(nproc: int) -> list[str]:
     return [exe, "-n", str(nproc), "--oversubscribe"]
 
 
+_backing_dir: str | None = None
+
+
+def _ompi_backing_dir() -> str:
+    """One directory per test session for Open MPI's shared-memory segments.
+
+    Open MPI leaves its ``sm_segment.*`` files behind when a job is killed or aborted, which
+    several tests do on purpose; in this directory they are removed when the session ends.
+    """
+    global _backing_dir
+    if _backing_dir is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        _backing_dir = tempfile.mkdtemp(prefix="dpt-ompi-", dir=base)
+        atexit.register(shutil.rmtree, _backing_dir, True)
+    return _backing_dir
+
+
 def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for ``mpiexec``: ours without other launchers' variables, plus the
-    root permission and this repository on PYTHONPATH."""
+    root permission, this repository on PYTHONPATH, and Open MPI's shared-memory files in
+    this session's own directory."""
     src = os.environ if base is None else base
     env = {k: v for k, v in src.items() if not k.startswith(_SCRUB)}
     env.update(MPI_ROOT_ENV)
+    env["OMPI_MCA_btl_sm_backing_directory"] = _ompi_backing_dir()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [src.get("PYTHONPATH")])])
     return env
 
