@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._backend import GroupInfo
-from ._env import EnvConfig, EnvError, read_env, resolve_init_method
+from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
 from ._errorfile import install_excepthook
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, get_backend_spec, registered_backends
@@ -172,10 +172,7 @@ def _started_by_mpiexec() -> bool:
     env = os.environ
     if "MASTER_PORT" in env or ("RANK" in env and "WORLD_SIZE" in env):
         return False
-    size = env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or ""
-    if not size.strip().isdigit() or int(size) < 2:
-        return False
-    return "mpi" in available_backends()
+    return mpiexec_world_size() > 1 and "mpi" in available_backends()
 
 
 def _world_from_backend(

@@ -47,6 +47,7 @@ __all__ = [
     "EnvConfig",
     "EnvError",
     "InitAddress",
+    "mpiexec_world_size",
     "parse_init_method",
     "read_env",
     "resolve_init_method",
@@ -383,6 +384,17 @@ def resolve_init_method(
             "RANK and WORLD_SIZE)"
         )
     return config
+
+
+def mpiexec_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """How many ranks an MPI launcher says it started (Open MPI's ``OMPI_COMM_WORLD_SIZE``,
+    MPICH's ``PMI_SIZE``), or 1 when this process was not started by one."""
+    env = os.environ if environ is None else environ
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        raw = env.get(var, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return 1
 
 
 # ----------------------------------------------------------------------------- helpers

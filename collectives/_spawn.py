@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, overload
 
+from ._env import mpiexec_world_size
 from .backends._shm import remove_run_segments
 
 __all__ = [
@@ -881,15 +882,6 @@ def _start_with_env(
 
 
 # ---------------------------------------------------------------------- Parallel
-def _mpiexec_world() -> int:
-    """The number of ranks an MPI launcher says it started (Open MPI, or MPICH's PMI), or 1."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        raw = os.environ.get(var, "").strip()
-        if raw.isdigit():
-            return int(raw)
-    return 1
-
-
 class Parallel:
     """Run a training function on every rank, as PyTorch Ignite's ``idist.Parallel`` does.
 
@@ -955,7 +947,7 @@ class Parallel:
         if self.nproc_per_node is not None:
             self.mode = "spawn"
             return self
-        launched = ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or _mpiexec_world() > 1
+        launched = ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or mpiexec_world_size() > 1
         self.mode = "launched" if launched else "serial"
         if not _api.is_initialized():
             if launched:
