@@ -509,6 +509,18 @@ def _worker_argv(engine: str, args: argparse.Namespace, out: str) -> list[str]:
     return argv + (["--async"] if args.async_op else [])
 
 
+def _oversubscribe(mpiexec: str) -> list[str]:
+    """Open MPI needs ``--oversubscribe`` for more ranks than cores; MPICH's Hydra has no such
+    option (and needs none)."""
+    try:
+        text = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    return [] if "HYDRA" in text.upper() else ["--oversubscribe"]
+
+
 def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | None:
     """Run one engine's ranks; None on success, else why it could not run."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -523,7 +535,7 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         if engine in ("mpi", "mpi-nb"):
             env["DPT_MPI_ENGINE"] = "nonblocking" if engine == "mpi-nb" else "blocking"
-        cmd = [mpiexec, "-n", str(args.nproc), "--oversubscribe", sys.executable, *argv]
+        cmd = [mpiexec, "-n", str(args.nproc), *_oversubscribe(mpiexec), sys.executable, *argv]
         p = subprocess.run(
             cmd,
             env=env,

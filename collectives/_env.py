@@ -8,11 +8,13 @@ Sources, in order of precedence (the first one present gives rank and world size
    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``. It comes before SLURM because
    processes that ``mpirun`` starts inside a SLURM job inherit ``SLURM_*`` variables that
    describe mpirun's daemons (one per node), not the ranks.
-3. SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``,
+3. MPICH's Hydra ``mpiexec`` (and Intel MPI): ``PMI_RANK``, ``PMI_SIZE``,
+   ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``; before SLURM for the same reason.
+4. SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``,
    ``SLURM_LOCALID``, and the tasks on this node from ``SLURM_STEP_TASKS_PER_NODE``/
    ``SLURM_TASKS_PER_NODE`` (``"4(x2),3"``, indexed by ``SLURM_NODEID``) or
    ``SLURM_NTASKS_PER_NODE``.
-4. Nothing set: a single process (rank 0 of 1).
+5. Nothing set: a single process (rank 0 of 1).
 
 Explicit ``rank``/``world_size`` arguments override the environment. ``MASTER_ADDR`` defaults to
 ``127.0.0.1`` when the world size is 1 or every rank is on this host (LOCAL_WORLD_SIZE equals
@@ -77,8 +79,9 @@ class EnvConfig:
         local_world_size: number of processes on this host.
         master_addr: host of rank 0, which hosts the store.
         master_port: the store's port; 0 when ``world_size == 1`` and none was given.
-        source: where rank and world size came from: ``"torchrun"``, ``"ompi"``,
-            ``"slurm"``, ``"args"`` (both given as arguments) or ``"default"`` (nothing set).
+        source: where rank and world size came from: ``"torchrun"``, ``"ompi"``, ``"pmi"``
+            (MPICH's Hydra), ``"slurm"``, ``"args"`` (both given as arguments) or
+            ``"default"`` (nothing set).
     """
 
     rank: int
@@ -175,6 +178,7 @@ def read_env(
         for launcher, present in (
             (torchrun, torchrun.rank is not None or torchrun.world is not None),
             (_ompi(env), env.has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")),
+            (_pmi(env), env.has("PMI_RANK", "PMI_SIZE")),
             (_slurm(env), env.has("SLURM_PROCID")),
         )
         if present
@@ -417,16 +421,26 @@ def _check_host(name: str, host: str) -> str:
     return plain
 
 
+_RANK_VARS = {
+    "torchrun": "RANK",
+    "ompi": "OMPI_COMM_WORLD_RANK",
+    "pmi": "PMI_RANK",
+    "slurm": "SLURM_PROCID",
+}
+_WORLD_VARS = {
+    "torchrun": "WORLD_SIZE",
+    "ompi": "OMPI_COMM_WORLD_SIZE",
+    "pmi": "PMI_SIZE",
+    "slurm": "SLURM_NTASKS",
+}
+
+
 def _rank_var(launcher: _Launcher) -> str:
-    return {"torchrun": "RANK", "ompi": "OMPI_COMM_WORLD_RANK", "slurm": "SLURM_PROCID"}[
-        launcher.name
-    ]
+    return _RANK_VARS[launcher.name]
 
 
 def _world_var(launcher: _Launcher) -> str:
-    return {"torchrun": "WORLD_SIZE", "ompi": "OMPI_COMM_WORLD_SIZE", "slurm": "SLURM_NTASKS"}[
-        launcher.name
-    ]
+    return _WORLD_VARS[launcher.name]
 
 
 def _ompi(env: _Env) -> _Launcher:
@@ -436,6 +450,17 @@ def _ompi(env: _Env) -> _Launcher:
         env.integer("OMPI_COMM_WORLD_SIZE", 1),
         env.integer("OMPI_COMM_WORLD_LOCAL_RANK"),
         env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1),
+    )
+
+
+def _pmi(env: _Env) -> _Launcher:
+    # MPICH's Hydra (and Intel MPI): PMI_* for the job, MPI_LOCAL* for this host.
+    return _Launcher(
+        "pmi",
+        env.integer("PMI_RANK"),
+        env.integer("PMI_SIZE", 1),
+        env.integer("MPI_LOCALRANKID"),
+        env.integer("MPI_LOCALNRANKS", 1),
     )
 
 

@@ -235,6 +235,32 @@ def test_open_mpi_before_slurm() -> None:
     assert c == EnvConfig(5, 8, 1, 4, "n1", 15042, "ompi")
 
 
+def test_mpich_hydra() -> None:
+    c = cfg(PMI_RANK="2", PMI_SIZE="4", MPI_LOCALRANKID="2", MPI_LOCALNRANKS="4", MASTER_PORT="1")
+    assert c == EnvConfig(2, 4, 2, 4, "127.0.0.1", 1, "pmi")
+    env_error("PMI_SIZE is not set", PMI_RANK="1")
+    env_error("PMI_RANK=4 must be < PMI_SIZE=4", PMI_RANK="4", PMI_SIZE="4")
+
+
+def test_mpich_hydra_before_slurm_and_after_open_mpi() -> None:
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"}
+    pmi = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}
+    c = cfg(**pmi, **slurm, SLURM_JOB_NODELIST="n[1-2]")
+    assert c == EnvConfig(5, 8, 1, 4, "n1", 15007, "pmi")
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    }
+    ompi["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4"
+    assert cfg(**ompi, **pmi, MASTER_ADDR="h", MASTER_PORT="2").source == "ompi"
+
+
+def test_torchrun_disagreeing_with_mpich_is_an_error() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    env_error("RANK=1", "PMI_RANK=0", "inconsistent", **env, PMI_RANK="0", PMI_SIZE="2")
+
+
 def test_torchrun_nested_inside_srun() -> None:
     # srun starts one torchrun per node, which starts 4 workers: WORLD_SIZE > SLURM_NTASKS.
     c = cfg(

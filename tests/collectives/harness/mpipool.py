@@ -51,12 +51,34 @@ def mpi_unavailable_reason() -> str | None:
     return None
 
 
+_flavor: str | None = None
+
+
+def mpiexec_flavor() -> str:
+    """``"openmpi"`` or ``"mpich"`` (Hydra), from ``mpiexec --version``."""
+    global _flavor
+    if _flavor is None:
+        exe = mpiexec_path()
+        text = ""
+        if exe is not None:
+            try:
+                text = subprocess.run(
+                    [exe, "--version"], capture_output=True, text=True, timeout=30, check=False
+                ).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                text = ""
+        _flavor = "mpich" if "HYDRA" in text.upper() else "openmpi"
+    return _flavor
+
+
 def mpiexec_command(nproc: int) -> list[str]:
-    """``mpiexec -n nproc`` allowing more ranks than cores (CI has 2 cores, tests use 4)."""
+    """``mpiexec -n nproc`` allowing more ranks than cores (CI has 2 cores, tests use 4;
+    Open MPI needs ``--oversubscribe`` for that, MPICH's Hydra does it anyway)."""
     exe = mpiexec_path()
     if exe is None:
         raise RuntimeError(mpi_unavailable_reason() or "no mpiexec")
-    return [exe, "-n", str(nproc), "--oversubscribe"]
+    extra = ["--oversubscribe"] if mpiexec_flavor() == "openmpi" else []
+    return [exe, "-n", str(nproc), *extra]
 
 
 _backing_dir: str | None = None
