@@ -159,7 +159,11 @@ class Executor:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._cond = threading.Condition()
+        # The hot path (a blocking call run inline) takes the lock directly, which is cheaper
+        # than the Condition's Python-level methods, and notifies only when someone waits.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads inside self._cond.wait()
         self._queue: deque[tuple[Request, Work]] = deque()
         self._running = False
         self._closed = False
@@ -167,7 +171,7 @@ class Executor:
 
     def submit(self, req: Request, async_op: bool) -> Work:
         """Run now (blocking call, nothing queued) or queue for the communication thread."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(
                     f"{req.op}: the process group was destroyed; call init_process_group again"
@@ -190,9 +194,10 @@ class Executor:
             try:
                 self._execute(req, work)
             finally:
-                with self._cond:
+                with self._lock:
                     self._running = False
-                    self._cond.notify_all()
+                    if self._waiting:
+                        self._cond.notify_all()
         return work
 
     def _execute(self, req: Request, work: Work) -> None:
@@ -222,7 +227,7 @@ class Executor:
         while True:
             with self._cond:
                 while (not self._queue or self._running) and not self._closed:
-                    self._cond.wait()
+                    self._wait(None)
                 if self._closed and not self._queue:
                     return
                 req, work = self._queue.popleft()
@@ -233,6 +238,14 @@ class Executor:
                 with self._cond:
                     self._running = False
                     self._cond.notify_all()
+
+    def _wait(self, timeout: float | None) -> None:
+        """``self._cond.wait`` (lock held), counted so that notifiers can skip empty rooms."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def pending(self) -> int:
         """Number of queued or running requests."""
@@ -247,7 +260,7 @@ class Executor:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
+                self._wait(left)
         return True
 
     def close(self) -> None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -70,11 +69,12 @@ def dtype_code(dtype: np.dtype[Any]) -> int:
     return DTYPE_CODES.get(np.dtype(dtype), 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Signature:
+class Signature(NamedTuple):
     """What every rank must agree on for one collective: compared across ranks before data moves.
 
     ``shape`` is the per-rank input shape; ``root`` is the group rank of the root (or -1).
+    (A NamedTuple: immutable, hashable for the backends' caches, and made on every call, where
+    it is about three times cheaper than a frozen dataclass.)
     """
 
     op: str
