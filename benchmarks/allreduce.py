@@ -509,7 +509,7 @@ def _worker_argv(engine: str, args: argparse.Namespace, out: str) -> list[str]:
     return argv + (["--async"] if args.async_op else [])
 
 
-def _oversubscribe(mpiexec: str) -> list[str]:
+def oversubscribe_args(mpiexec: str) -> list[str]:
     """Open MPI needs ``--oversubscribe`` for more ranks than cores; MPICH's Hydra has no such
     option (and needs none)."""
     try:
@@ -535,7 +535,7 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         if engine in ("mpi", "mpi-nb"):
             env["DPT_MPI_ENGINE"] = "nonblocking" if engine == "mpi-nb" else "blocking"
-        cmd = [mpiexec, "-n", str(args.nproc), *_oversubscribe(mpiexec), sys.executable, *argv]
+        cmd = [mpiexec, "-n", str(args.nproc), *oversubscribe_args(mpiexec), sys.executable, *argv]
         p = subprocess.run(
             cmd,
             env=env,

@@ -55,19 +55,13 @@ _flavor: str | None = None
 
 
 def mpiexec_flavor() -> str:
-    """``"openmpi"`` or ``"mpich"`` (Hydra), from ``mpiexec --version``."""
+    """``"openmpi"`` or ``"mpich"`` (Hydra, which has no ``--oversubscribe``)."""
     global _flavor
     if _flavor is None:
+        from benchmarks.allreduce import oversubscribe_args
+
         exe = mpiexec_path()
-        text = ""
-        if exe is not None:
-            try:
-                text = subprocess.run(
-                    [exe, "--version"], capture_output=True, text=True, timeout=30, check=False
-                ).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                text = ""
-        _flavor = "mpich" if "HYDRA" in text.upper() else "openmpi"
+        _flavor = "openmpi" if exe is None or oversubscribe_args(exe) else "mpich"
     return _flavor
 
 
