@@ -185,7 +185,22 @@ class MpiRankPool(RankPool):
         except (OSError, ValueError):
             return "<unavailable>"
 
+    @staticmethod
+    def _transient(text: str, kw: Any) -> bool:
+        # mpiexec's own start (its daemon, PMIx server, session directory) can fail on a
+        # loaded machine; a rank that reports an error of ours is not retried.
+        markers = ("connected within", "starting mpiexec failed", "no reply before the deadline")
+        return any(m in text for m in markers)
+
     def start(self, init_deadline: float = 60.0) -> list[Reply]:
+        try:
+            return self._start(init_deadline)
+        except (OSError, ValueError, KeyError) as exc:  # a broken hello: report, do not leak
+            self.kill_all()
+            text = f"{self.label}: starting mpiexec failed: {type(exc).__name__}: {exc}\n"
+            return [Reply(r, ok=False, error=text + self.launcher_output()) for r in self._ranks]
+
+    def _start(self, init_deadline: float) -> list[Reply]:
         env = mpi_env()
         env.update(
             PYTHONDONTWRITEBYTECODE="1",
@@ -247,6 +262,16 @@ class MpiRankPool(RankPool):
                 for r in range(self.world_size)
             ]
         return self._collect(self._ranks, max(1.0, end - time.monotonic()), grace=None)
+
+    def stderr_tail(self, rank: int, limit: int = 3000) -> str:
+        if rank not in self._stderr:
+            # The rank never connected: its file may still say why (or it never started).
+            path = self._dir / f"r{rank}.err"
+            try:
+                return path.read_bytes()[-limit:].decode("utf-8", "replace")
+            except OSError:
+                return "<no stderr: the rank never started>"
+        return super().stderr_tail(rank, limit)
 
     def report(self, what: str, replies: Any) -> str:
         text = super().report(what, replies)

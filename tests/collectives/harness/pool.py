@@ -164,11 +164,17 @@ class RankPool:
                 return pool
             text = pool.report("init_process_group", hello)
             pool.kill_all()
-            # Another process may have taken the free port between our probe and rank 0's bind.
-            if attempt == 0 and "already in use" in text and "master_port" not in kw:
+            if attempt == 0 and cls._transient(text, kw):
+                sys.stderr.write(f"harness: retrying a failed pool start once:\n{text}\n")
                 continue
             raise PoolError(text)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _transient(text: str, kw: Mapping[str, Any]) -> bool:
+        """Whether a failed start is worth one more try."""
+        # Another process may have taken the free port between our probe and rank 0's bind.
+        return "already in use" in text and "master_port" not in kw
 
     def start(self, init_deadline: float = 60.0) -> list[Reply]:
         """Start the ranks; return each rank's answer to joining the group."""
