@@ -235,9 +235,10 @@ class Executor:
             try:
                 self._execute(req, work)
             finally:
-                with self._cond:
+                with self._lock:
                     self._running = False
-                    self._cond.notify_all()
+                    if self._waiting:
+                        self._cond.notify_all()
 
     def _wait(self, timeout: float | None) -> None:
         """``self._cond.wait`` (lock held), counted so that notifiers can skip empty rooms."""
