@@ -4,15 +4,21 @@
 
 Run it on a machine with an NVIDIA GPU and CuPy (the `cuda12`/`cuda13` extra) from the
 repository root. It prints a Markdown block to paste into docs/gpu-results.md, and with
-``--out`` also writes ``gpu-check.md`` and the JSON of each benchmark there. It exits non-zero
-when a step fails, and exits 2 at once with the reason when no GPU is usable.
+``--out`` also writes ``gpu-check.md``, ``gpu-check.log`` and the JSON of each benchmark there.
+It exits non-zero when a step fails, and exits 2 at once with the reason when no GPU is usable.
 
 The whole run stays within ``BUDGET_S`` (under eight minutes): each step's timeout is cut to
-what is left, keeping time for the steps after it. The NCCL step runs benchmarks/nccl_bench.py
-(our nccl backend against NCCL called directly, 8 B .. 1 GiB) at world size 1, and with
-several ranks on this host when the GPUs or the NCCL version allow it (NCCL >= 2.30 lets ranks
-share a GPU with NCCL_MULTI_RANK_GPU_ENABLE=1). Last, the DDP example trains on NCCL at world
-size 1 and, where allowed, 2 (the gpu tests include DDP over NCCL against a CPU reference).
+what is left, keeping a minimum for the steps after it. Steps run most-needed first: the `gpu`
+tests of the nccl backend, DDP and the benchmarks; benchmarks/nccl_bench.py (our nccl backend
+against NCCL called directly, 8 B .. 1 GiB) at world size 1, and with several ranks on this
+host when the GPUs or the NCCL version allow it (NCCL >= 2.30 lets ranks share a GPU with
+NCCL_MULTI_RANK_GPU_ENABLE=1); the DDP example on NCCL at world size 1 and, where allowed, 2;
+then the tensorlib `gpu` tests, the MLP step timing and the single-GPU example.
+
+Nothing is lost when a run is cut short: every command's output streams into
+``gpu-check.log`` as it runs, ``gpu-check.md`` is rewritten after each step, a step that runs
+out of time is killed with every process it started (so no rank keeps the GPU), and a pytest
+step that is cut short still reports what passed and which test was running.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import datetime as dt
 import json
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -35,7 +44,98 @@ import tensorlib as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450.0  # the whole check, so that it fits an eight-minute device slot
-NCCL_STEP_S = 150.0  # time kept for the NCCL step while earlier steps run
+
+# Each step: (most seconds it may take, seconds kept for it while earlier steps run).
+CAP_RESERVE: dict[str, tuple[float, float]] = {
+    "tests-nccl": (180.0, 60.0),
+    "nccl-bench": (150.0, 60.0),
+    "ddp": (90.0, 30.0),  # per world size, two of them
+    "tests-tensorlib": (200.0, 60.0),
+    "mlp-step": (120.0, 30.0),
+    "example": (90.0, 30.0),
+}
+ORDER = ["tests-nccl", "nccl-bench", "ddp", "ddp", "tests-tensorlib", "mlp-step", "example"]
+
+# The `gpu` tests in two runs: those of the nccl backend, DDP and the benchmarks first.
+TESTS_NCCL = ["tests/collectives", "tests/ddp", "tests/benchmarks"]
+TESTS_REST = ["tests"] + [f"--ignore={p}" for p in TESTS_NCCL]
+PER_TEST_TIMEOUT_S = 120  # tests with their own timeout marker keep it
+
+Step = tuple[str, int, str]  # (name, exit status, one line of detail)
+
+
+class Budget:
+    """Seconds left of the whole check, with a minimum kept for each step still to come."""
+
+    def __init__(self, total: float, order: list[str]) -> None:
+        self.end = time.monotonic() + total
+        self.todo = list(order)
+
+    def take(self, step: str) -> float:
+        """The timeout for ``step`` (which must be next in the order): its cap, cut to what is
+        left after keeping each later step's reserve."""
+        if step in self.todo:
+            self.todo.remove(step)
+        kept = sum(CAP_RESERVE[s][1] for s in self.todo)
+        return max(0.0, min(CAP_RESERVE[step][0], self.end - time.monotonic() - kept))
+
+    def drop(self, step: str) -> None:
+        """Keep nothing more for ``step``: it will not run (again)."""
+        self.todo = [s for s in self.todo if s != step]
+
+
+class Report:
+    """The steps so far, written to ``out`` after each one, and the streamed log."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.steps: list[Step] = []
+        self.info: dict[str, Any] = {}
+        self.extra: list[str] = []  # Markdown blocks after the table
+        self._tmp: IO[bytes] | None = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            self.log_path = out / "gpu-check.log"
+            self.log_path.write_bytes(b"")
+        else:
+            self._tmp = tempfile.NamedTemporaryFile(prefix="gpu-check-", suffix=".log")  # noqa: SIM115
+            self.log_path = Path(self._tmp.name)
+
+    def note(self, text: str) -> None:
+        """Append ``text`` to the log."""
+        with self.log_path.open("a", encoding="utf-8") as f:
+            f.write(text.rstrip("\n") + "\n\n")
+
+    def add(self, steps: list[Step]) -> None:
+        """Record finished steps and rewrite gpu-check.md."""
+        self.steps += steps
+        self.write()
+
+    def markdown(self, done: bool) -> str:
+        """The block for docs/gpu-results.md."""
+        info = self.info
+        today = dt.date.today().isoformat()
+        md = [f"## {today}: {info.get('gpu')} ({info.get('gpu_memory_gib')} GiB)", ""]
+        md.append(
+            f"driver {info.get('driver')}, CUDA runtime {info.get('cuda_runtime')} / driver API "
+            f"{info.get('cuda_driver')}, CuPy {info.get('cupy')}, NCCL (CuPy's) "
+            f"{info.get('nccl_cupy')}, NCCL (ours) {info.get('nccl_ours')}, NumPy "
+            f"{info.get('numpy')}, Python {info.get('python')}, torch {info.get('torch')}"
+        )
+        md += ["", "| check | result | detail |", "|---|---|---|"]
+        for name, code, detail in self.steps:
+            first = detail.strip().splitlines()[0] if detail.strip() else ""
+            md.append(f"| {name} | {'ok' if code == 0 else f'FAILED (rc={code})'} | {first} |")
+        if not done:
+            md += ["", "(incomplete: the check is still running or was cut short)"]
+        for block in self.extra:
+            md += ["", block]
+        return "\n".join(md) + "\n"
+
+    def write(self, done: bool = False) -> None:
+        """Rewrite gpu-check.md (when there is an output folder)."""
+        if self.out is not None:
+            (self.out / "gpu-check.md").write_text(self.markdown(done))
 
 
 def versions() -> dict[str, Any]:
@@ -53,6 +153,7 @@ def versions() -> dict[str, Any]:
     name = props["name"]
     out["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
     out["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
+    out["gpus"] = int(cp.cuda.runtime.getDeviceCount())
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -108,19 +209,100 @@ def nccl_world_sizes(info: dict[str, Any]) -> tuple[list[int], str]:
     )
 
 
-def nccl_step(
-    info: dict[str, Any], out: Path | None, budget: float, log: list[str]
-) -> tuple[list[tuple[str, int, str]], list[str]]:
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    """Kill the process group ``p`` leads: pytest's or a launcher's ranks go with it."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(
+    cmd: list[str], timeout: float, report: Report, env_extra: dict[str, str] | None = None
+) -> tuple[int, str, float]:
+    """Run a command from the repo root, its output streaming into the log; return (exit
+    status, its output, seconds). Past ``timeout`` it is killed with everything it started
+    and the status is 124."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env_extra or {}))
+    report.note(f"$ {' '.join(cmd)}  (timeout {timeout:.0f} s)")
+    t0 = time.perf_counter()
+    with report.log_path.open("ab") as log:
+        start = log.tell()
+        p = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            rc = 124
+        _kill_group(p)  # also on success: nothing it started may keep the GPU
+        p.wait()
+    took = time.perf_counter() - t0
+    with report.log_path.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    if rc == 124:
+        text += f"\n[timed out after {timeout:.0f} s; killed with its process group]"
+    report.note(f"(rc={rc}, {took:.1f} s)")
+    return rc, text, took
+
+
+# ``pytest -v`` lines: "<node id> PASSED   [ 10%]"; node ids may hold spaces.
+_OUTCOME = re.compile(r"^(\S+\.py::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: |$)")
+_STARTED = re.compile(r"^(\S+\.py::.*?)\s*$")
+_FINAL = re.compile(r"^=+ (.*\b(?:passed|failed|skipped|errors?|deselected)\b.*) in [\d.]+s")
+
+
+def pytest_summary(text: str, rc: int) -> str:
+    """One line for a ``pytest -v`` run: its final counts, or, when it was cut short, the
+    counts so far and the test that was running; then the failed tests' names."""
+    counts: dict[str, int] = {}
+    failed: list[str] = []
+    last_started = ""
+    for line in text.splitlines():
+        m = _OUTCOME.match(line)
+        if m:
+            counts[m[2]] = counts.get(m[2], 0) + 1
+            if m[2] in ("FAILED", "ERROR"):
+                failed.append(m[1])
+            last_started = ""
+        elif started := _STARTED.match(line):
+            last_started = started[1]
+    final = [m[1] for m in map(_FINAL.match, text.splitlines()) if m]
+    if final and rc != 124:
+        head = final[-1]
+    else:
+        so_far = ", ".join(f"{v} {k.lower()}" for k, v in counts.items()) or "no test finished"
+        head = f"cut short ({so_far})"
+        if last_started:
+            head += f"; running: {last_started}"
+    if failed:
+        head += "; failed: " + ", ".join(failed[:8]) + (" ..." if len(failed) > 8 else "")
+    return head
+
+
+def pytest_step(name: str, paths: list[str], timeout: float, report: Report) -> list[Step]:
+    """``pytest -m gpu -v`` over ``paths``."""
+    if timeout < 20:
+        return [(name, 124, "skipped: the time budget ran out")]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider"]
+    cmd += [f"--timeout={PER_TEST_TIMEOUT_S}", *paths]
+    rc, text, took = run(cmd, timeout, report)
+    detail = pytest_summary(text, rc)
+    print(f"{name}: rc={rc} ({took:.0f} s) {detail}", flush=True)
+    return [(name, rc, detail)]
+
+
+def nccl_step(info: dict[str, Any], report: Report, budget: float) -> list[Step]:
     """The all-reduce sweep through our backend and through NCCL directly."""
     from benchmarks import nccl_bench
 
-    steps: list[tuple[str, int, str]] = []
-    md: list[str] = []
+    steps: list[Step] = []
     sizes, why = nccl_world_sizes(info)
     print(f"nccl: world sizes {sizes}: {why}", flush=True)
     if not sizes:
-        return [("nccl all_reduce", 1, why)], md
-    md.append(f"NCCL all_reduce (float32 SUM, in place), world sizes {sizes}: {why}.")
+        return [("nccl all_reduce", 1, why)]
+    report.extra.append(f"NCCL all_reduce (float32 SUM, in place), world sizes {sizes}: {why}.")
     end = time.monotonic() + budget
     for n in sizes:
         left = end - time.monotonic()
@@ -131,7 +313,7 @@ def nccl_step(
             t0 = time.perf_counter()
             rc, data, tail = nccl_bench.run_world(n, Path(tmp), 1 << 30, nccl_bench.IMPLS, left)
             took = time.perf_counter() - t0
-        log.append(f"$ nccl_bench --world {n} (rc={rc}, {took:.1f} s)\n{tail}")
+        report.note(f"$ nccl_bench --world {n} (rc={rc}, {took:.1f} s)\n{tail}")
         if data is None:
             steps.append((f"nccl all_reduce x{n}", rc or 1, tail.strip()[-300:]))
             print(f"nccl x{n}: FAILED rc={rc}\n{tail[-2000:]}", flush=True)
@@ -142,35 +324,35 @@ def nccl_step(
         first = nccl_bench.summary(data)[0] if not bad else "; ".join(bad)[:300]
         steps.append((f"nccl all_reduce x{n}", code, first))
         print(f"nccl x{n}: rc={rc} ({took:.0f} s)\n" + "\n".join(lines), flush=True)
-        md += ["", f"World size {n}:", "", *lines]
-        if out is not None:
-            (out / f"nccl_allreduce_n{n}.json").write_text(json.dumps(data, indent=1))
-    return steps, md
+        report.extra.append("\n".join([f"World size {n}:", "", *lines]))
+        if report.out is not None:
+            (report.out / f"nccl_allreduce_n{n}.json").write_text(json.dumps(data, indent=1))
+    return steps
 
 
 def ddp_nccl_steps(
-    info: dict[str, Any], py: str, left: Any, log: list[str]
-) -> list[tuple[str, int, str]]:
+    info: dict[str, Any], report: Report, take: Callable[[str], float]
+) -> list[Step]:
     """The DDP example on NCCL: world size 1, and 2 ranks (one per GPU, or sharing one GPU
     where NCCL allows it)."""
     sizes, why = nccl_world_sizes(info)
-    steps: list[tuple[str, int, str]] = []
-    for n in [w for w in sizes if w <= 2]:
+    steps: list[Step] = []
+    for n in [w for w in sizes if w <= 2][:2]:
         env: dict[str, str] = {"NCCL_SOCKET_IFNAME": "lo"}
         if "share" in why:
             env.update(DPT_ALLOW_SHARED_GPU="1", NCCL_MULTI_RANK_GPU_ENABLE="1")
         name = f"examples/train_ddp.py --device cuda --backend nccl --nproc {n}"
-        budget = min(150, left())
-        if budget < 30:
+        budget = take("ddp")
+        if budget < 20:
             steps.append((name, 124, "skipped: the time budget ran out"))
             continue
         with tempfile.TemporaryDirectory(prefix="gpu-check-ddp-") as tmp:
             rc, text, took = run(
-                [py, "examples/train_ddp.py", "--device", "cuda", "--backend", "nccl"]
+                [sys.executable, "examples/train_ddp.py", "--device", "cuda", "--backend", "nccl"]
                 + ["--nproc", str(n), "--epochs", "8", "--no-progress"]
                 + ["--checkpoint", str(Path(tmp) / "ddp.npz")],
                 budget,
-                log,
+                report,
                 env,
             )
         final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
@@ -179,117 +361,62 @@ def ddp_nccl_steps(
     return steps
 
 
-def run(
-    cmd: list[str], timeout: int, log: list[str], env_extra: dict[str, str] | None = None
-) -> tuple[int, str, float]:
-    """Run a command from the repo root; return (exit code, output tail, seconds)."""
-    t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env_extra or {}))
-    try:
-        p = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
-        )
-        rc, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = 124
-        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        text += f"\n[timed out after {timeout} s]"
-    took = time.perf_counter() - t0
-    log.append(f"$ {' '.join(cmd)}  (rc={rc}, {took:.1f} s)\n{text}")
-    return rc, text, took
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every GPU check and print the Markdown summary."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, help="directory for gpu-check.md, logs and JSON")
+    p.add_argument("--out", type=Path, help="directory for gpu-check.md, the log and JSON")
     p.add_argument("--quick", action="store_true", help="fewer benchmark rounds")
-    p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL step")
+    p.add_argument("--skip-nccl", action="store_true", help="leave out the NCCL steps")
     args = p.parse_args(argv)
-    started = time.monotonic()
-
-    def left(keep: float = 0.0) -> int:
-        """Seconds a step may take: what is left of the budget, less ``keep`` for later."""
-        return int(max(10.0, BUDGET_S - (time.monotonic() - started) - keep))
 
     reason = tl.cuda_unavailable_reason()
     if reason is not None:
         print(f"gpu_check: no usable GPU: {reason}", file=sys.stderr)
         return 2
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    log: list[str] = []
-    info = versions()
+    order = [s for s in ORDER if not (args.skip_nccl and s in ("nccl-bench", "ddp"))]
+    budget = Budget(BUDGET_S, order)
+    report = Report(args.out)
+    report.info = info = versions()
     print("versions:", json.dumps(info), flush=True)
+    report.note("versions: " + json.dumps(info))
+    report.write()
 
-    steps: list[tuple[str, int, str]] = []
     py = sys.executable
-    nccl_keep = 0.0 if args.skip_nccl else NCCL_STEP_S
-    rc, text, took = run(
-        [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-        min(420, left(nccl_keep + 120)),
-        log,
-    )
-    summary = [
-        ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or "error" in ln
-    ]
-    steps.append(("pytest -m gpu", rc, summary[-1] if summary else text[-300:]))
-    print(f"gpu tests: rc={rc} {steps[-1][2]} ({took:.0f} s)", flush=True)
-
-    nccl_md: list[str] = []
+    name = "pytest -m gpu (nccl, ddp, benchmarks)"
+    report.add(pytest_step(name, TESTS_NCCL, budget.take("tests-nccl"), report))
     if not args.skip_nccl:
-        nccl_steps, nccl_md = nccl_step(info, args.out, min(NCCL_STEP_S, left(120)), log)
-        steps += nccl_steps
+        report.add(nccl_step(info, report, budget.take("nccl-bench")))
+        report.add(ddp_nccl_steps(info, report, budget.take))
+        budget.drop("ddp")  # where only world size 1 ran
+    name = "pytest -m gpu (tensorlib and the rest)"
+    report.add(pytest_step(name, TESTS_REST, budget.take("tests-tensorlib"), report))
 
-    bench_json = (args.out or Path("/tmp")) / "mlp_step_cuda.json"
+    bench_json = (args.out or Path(tempfile.gettempdir())) / "mlp_step_cuda.json"
     rounds = ["--rounds", "3"] if args.quick else []
-    rc, text, took = run(
-        [py, "-m", "benchmarks.mlp_step", "--device", "cuda", "--json", str(bench_json), *rounds],
-        min(240, left(60)),
-        log,
-    )
-    steps.append(("mlp_step --device cuda", rc, text.strip()[-1200:]))
-    print(f"mlp_step cuda: rc={rc} ({took:.0f} s)\n{text.strip()}", flush=True)
+    name, timeout = "mlp_step --device cuda", budget.take("mlp-step")
+    if timeout < 20:
+        report.add([(name, 124, "skipped: the time budget ran out")])
+    else:
+        cmd = [py, "-m", "benchmarks.mlp_step", "--device", "cuda", "--json", str(bench_json)]
+        rc, text, took = run(cmd + rounds, timeout, report)
+        report.add([(name, rc, text.strip()[-1200:])])
+        print(f"mlp_step cuda: rc={rc} ({took:.0f} s)\n{text.strip()}", flush=True)
+        if rc == 0:
+            report.extra.insert(0, "```\n" + text.strip()[-1200:] + "\n```")
 
-    rc, text, took = run(
-        [py, "examples/train_mlp.py", "--device", "cuda", "--no-progress", "--epochs", "20"],
-        min(180, left()),
-        log,
-    )
-    final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
-    steps.append(("examples/train_mlp.py --device cuda", rc, final[-1] if final else text[-300:]))
-    print(f"example cuda: rc={rc} {steps[-1][2]}", flush=True)
+    name, timeout = "examples/train_mlp.py --device cuda", budget.take("example")
+    if timeout < 20:
+        report.add([(name, 124, "skipped: the time budget ran out")])
+    else:
+        cmd = [py, "examples/train_mlp.py", "--device", "cuda", "--no-progress", "--epochs", "20"]
+        rc, text, took = run(cmd, timeout, report)
+        final = [ln for ln in text.splitlines() if "final test accuracy" in ln]
+        report.add([(name, rc, final[-1] if final else text.strip()[-300:])])
+        print(f"example cuda: rc={rc} {report.steps[-1][2]}", flush=True)
 
-    if not args.skip_nccl:
-        steps += ddp_nccl_steps(info, py, left, log)
-
-    today = dt.date.today().isoformat()
-    md = [f"## {today}: {info['gpu']} ({info['gpu_memory_gib']} GiB)", ""]
-    md.append(
-        f"driver {info['driver']}, CUDA runtime {info['cuda_runtime']} / driver API "
-        f"{info['cuda_driver']}, CuPy {info['cupy']}, NCCL (CuPy's) {info['nccl_cupy']}, "
-        f"NCCL (ours) {info.get('nccl_ours')}, "
-        f"NumPy {info['numpy']}, Python {info['python']}, torch {info['torch']}"
-    )
-    md.append("")
-    md.append("| check | result | detail |")
-    md.append("|---|---|---|")
-    for name, code, detail in steps:
-        first = detail.strip().splitlines()[0] if detail.strip() else ""
-        md.append(f"| {name} | {'ok' if code == 0 else f'FAILED (rc={code})'} | {first} |")
-    if bench_json.exists():
-        md.append("")
-        md.append("```")
-        md.append(next(d for name, _, d in steps if name.startswith("mlp_step")))
-        md.append("```")
-    if nccl_md:
-        md += ["", *nccl_md]
-    text_md = "\n".join(md) + "\n"
-    print("\n" + text_md)
-    if args.out:
-        (args.out / "gpu-check.md").write_text(text_md)
-        (args.out / "gpu-check.log").write_text("\n\n".join(log))
-    return 0 if all(code == 0 for _, code, _ in steps) else 1
+    report.write(done=True)
+    print("\n" + report.markdown(done=True))
+    return 0 if all(code == 0 for _, code, _ in report.steps) else 1
 
 
 if __name__ == "__main__":
