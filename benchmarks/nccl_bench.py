@@ -166,6 +166,19 @@ def _shares_gpu_ok(version: tuple[int, ...], world: int, gpus: int) -> str | Non
     )
 
 
+def cupy_communicator(cn: Any, size: int, uid: Any, rank: int) -> Any:
+    """``cn.NcclCommunicator`` from a unique id as rank 0 made it or as bytes from the store.
+
+    CuPy 14 takes the id as ``bytes``; CuPy 13 as a tuple of 128 signed chars. The form is
+    tried in that order: a wrong one is refused (TypeError) before NCCL is called.
+    """
+    raw = bytes(v & 0xFF for v in uid)
+    try:
+        return cn.NcclCommunicator(size, raw, rank)
+    except TypeError:
+        return cn.NcclCommunicator(size, tuple(b - 256 if b > 127 else b for b in raw), rank)
+
+
 def _cupy_sweep(group: Any, sweep: Any, result: dict[str, Any], gpus: int) -> dict[str, Any]:
     """CuPy's NCCL binding on its own communicator (its NCCL may be another version)."""
     try:
@@ -184,9 +197,8 @@ def _cupy_sweep(group: Any, sweep: Any, result: dict[str, Any], gpus: int) -> di
             if store is not None:
                 store.set("bench/cupy-uid", bytes(v & 0xFF for v in uid))
         else:
-            raw = store.get("bench/cupy-uid", timeout=60)
-            uid = tuple(b - 256 if b > 127 else b for b in raw)
-        comm = cn.NcclCommunicator(group.size, uid, group.rank)
+            uid = store.get("bench/cupy-uid", timeout=60)
+        comm = cupy_communicator(cn, group.size, uid, group.rank)
     except Exception as exc:  # CuPy without NCCL, or an NCCL that refuses ranks sharing a GPU
         return {"error": f"{type(exc).__name__}: {exc}"}
     import cupy as cp
