@@ -42,6 +42,16 @@ except ImportError:  # pragma: no cover - hypothesis is in the dev extra
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests with the precise reason CUDA is unusable here."""
+    if FAKE_CUPY:
+        # The fake is installed in this process only: tests whose GPU work runs in processes
+        # they start would meet the real (absent) CuPy there.
+        real = pytest.mark.skip(
+            reason="needs a real GPU: its GPU work runs in subprocesses, where the fake CuPy "
+            "(TENSORLIB_FAKE_CUPY=1) is not installed"
+        )
+        for item in items:
+            if item.get_closest_marker("real_gpu") is not None:
+                item.add_marker(real)
     reason = tl.cuda_unavailable_reason()
     if reason is None:
         return

@@ -283,6 +283,7 @@ def test_cpu_allreduce_wrapper_translates() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.real_gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
 def test_nccl_on_a_gpu_end_to_end(op: str, tmp_path: Path) -> None:

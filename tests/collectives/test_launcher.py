@@ -410,6 +410,7 @@ def test_gpu_assignment() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.real_gpu
 @pytest.mark.timeout(120)
 def test_gpu_binding_end_to_end(tmp_path: Path) -> None:
     import tensorlib
