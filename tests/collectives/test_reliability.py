@@ -410,3 +410,57 @@ def test_harness_reports_every_ranks_traceback(pools: list[RankPool]) -> None:
     assert "rank 0: FAILED" in text and "rank 1: FAILED" in text
     assert "AssertionError: rank one says no" in text and "in fail" in text, text
     assert pool.broken
+
+
+# ---------------------------------------------------------------------------- (9) harness
+def test_ranks_die_with_a_killed_test_process(tmp_path: Any) -> None:
+    """A test process killed while its ranks are busy (a CI job's time limit, a GPU check's step
+    limit) takes them with it: none is left holding its GPU, shared memory or ports."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.collectives.harness.pool import REPO_ROOT
+
+    pids = tmp_path / "pids"
+    code = (
+        "import os, sys\n"
+        "from tests.collectives.harness import RankPool\n"
+        "pool = RankPool.launch('cpu', 2, timeout=60)\n"
+        f"open({str(pids)!r}, 'w').write(' '.join(map(str, pool.pids.values())))\n"
+        "pool._send(list(pool.pids), {'fn': 'tests.collectives.bodies:sleep', "
+        "'kwargs': {'seconds': 120}})\n"
+        "sys.stdout.write('busy\\n'); sys.stdout.flush()\n"
+        "import time; time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "busy"
+        ranks = [int(p) for p in pids.read_text().split()]
+        assert len(ranks) == 2
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + FAST
+        alive = ranks
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in ranks if _running(p)]
+        assert not alive, f"ranks {alive} outlived the killed test process"
+    finally:
+        parent.kill()
+        for p in pids.read_text().split() if pids.exists() else []:
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -190,6 +190,7 @@ class RankPool:
             DPT_RUN_ID=self.run_id,
             DPT_TEST_BACKEND=self.backend,
             DPT_TEST_TIMEOUT=str(self.timeout),
+            DPT_TEST_PARENT_PID=str(os.getpid()),
         )
         base.update(self._env)
         for rank in self._ranks:

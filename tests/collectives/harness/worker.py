@@ -50,6 +50,16 @@ def _reply(channel: TextIO, message: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    parent = os.environ.get("DPT_TEST_PARENT_PID")
+    if parent:
+        # Die with the test process, even when it is killed (a timed-out CI job, the GPU
+        # check's step limit) while this rank is stuck in a collective: a rank left behind
+        # would hold its GPU, its shared memory and its ports.
+        import signal
+
+        from collectives._spawn import set_parent_death_signal
+
+        set_parent_death_signal(signal.SIGKILL, int(parent))
     commands: TextIO = sys.stdin
     if os.environ.get("DPT_TEST_CHANNEL"):
         # Started by mpiexec (tests/collectives/harness/mpipool.py): the protocol runs over
