@@ -277,3 +277,29 @@ def test_host_index_arrays_go_to_the_tensors_gpu(two_gpus: types.ModuleType) -> 
     assert t.tolist() == [1.0, 0.0, 2.0]
     assert _on(rows) == ("cuda:1", 1) and w.grad is not None and _on(w.grad) == ("cuda:1", 1)
     np.testing.assert_array_equal(w.grad.numpy(), [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+
+
+# ============================================================================ gpu_check's steps
+def test_the_gpu_checks_example_and_timing_steps_run_on_a_fake_gpu(
+    two_gpus: types.ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What benchmarks/gpu_check.py runs after the tests (the example on cuda, mlp_step on
+    cuda), small, on the fake: a lent GPU's few minutes must not go to a script error."""
+    pytest.importorskip("sklearn", reason="the example's dataset ships with scikit-learn")
+    import importlib.util
+
+    from benchmarks import mlp_step
+
+    spec = importlib.util.spec_from_file_location("train_mlp", ROOT / "examples" / "train_mlp.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["train_mlp"] = example
+    spec.loader.exec_module(example)
+    acc = example.train(epochs=3, device="cuda", progress=False, log=False)
+    assert acc >= 0.8, f"3 epochs on the fake GPU reached only {acc:.2%}"
+
+    argv = ["--device", "cuda", "--sizes", "64,32,10", "--batch", "16", "--rounds", "2"]
+    argv += ["--iters", "2", "--warmup", "1", "--chain", "20", "--no-torch"]
+    assert mlp_step.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tensorlib" in out and "cuda" in out, out
