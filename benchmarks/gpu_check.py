@@ -13,7 +13,9 @@ tests of the nccl backend, DDP and the benchmarks; benchmarks/nccl_bench.py (our
 against NCCL called directly, 8 B .. 1 GiB) at world size 1, and with several ranks on this
 host when the GPUs or the NCCL version allow it (NCCL >= 2.30 lets ranks share a GPU with
 NCCL_MULTI_RANK_GPU_ENABLE=1); the DDP example on NCCL at world size 1 and, where allowed, 2;
-then the tensorlib `gpu` tests, the MLP step timing and the single-GPU example.
+then the tensorlib `gpu` tests (in several processes where pytest-xdist is installed, so
+that CuPy's first-use kernel compilations run in parallel), the MLP step timing and the
+single-GPU example.
 
 Nothing is lost when a run is cut short: every command's output streams into
 ``gpu-check.log`` as it runs, ``gpu-check.md`` is rewritten after each step, a step that runs
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -247,46 +250,66 @@ def run(
     return rc, text, took
 
 
-# ``pytest -v`` lines: "<node id> PASSED   [ 10%]"; node ids may hold spaces.
-_OUTCOME = re.compile(r"^(\S+\.py::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: |$)")
+# ``pytest -v`` lines: "<node id> PASSED   [ 10%]", or with pytest-xdist "<node id>" when
+# scheduled and "[gw0] [ 10%] PASSED <node id>" when done; node ids may hold spaces.
+_OUTCOMES = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+_OUTCOME = re.compile(rf"^(\S+\.py::.*?) ({_OUTCOMES})(?: |$)")
+_OUTCOME_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_OUTCOMES}) (\S+\.py::.*?)\s*$")
 _STARTED = re.compile(r"^(\S+\.py::.*?)\s*$")
 _FINAL = re.compile(r"^=+ (.*\b(?:passed|failed|skipped|errors?|deselected)\b.*) in [\d.]+s")
 
 
 def pytest_summary(text: str, rc: int) -> str:
-    """One line for a ``pytest -v`` run: its final counts, or, when it was cut short, the
-    counts so far and the test that was running; then the failed tests' names."""
+    """One line for a ``pytest -v`` run (with or without pytest-xdist): its final counts, or,
+    when it was cut short, the counts so far and the tests that were running; then the failed
+    tests' names."""
     counts: dict[str, int] = {}
     failed: list[str] = []
-    last_started = ""
+    running: dict[str, None] = {}  # started, not finished (ordered)
     for line in text.splitlines():
         m = _OUTCOME.match(line)
-        if m:
-            counts[m[2]] = counts.get(m[2], 0) + 1
-            if m[2] in ("FAILED", "ERROR"):
-                failed.append(m[1])
-            last_started = ""
+        done = (m[1], m[2]) if m else None
+        if done is None and (x := _OUTCOME_XDIST.match(line)):
+            done = (x[2], x[1])
+        if done is not None:
+            node, outcome = done
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome in ("FAILED", "ERROR"):
+                failed.append(node)
+            running.pop(node, None)
         elif started := _STARTED.match(line):
-            last_started = started[1]
+            running[started[1]] = None
     final = [m[1] for m in map(_FINAL.match, text.splitlines()) if m]
     if final and rc != 124:
         head = final[-1]
     else:
         so_far = ", ".join(f"{v} {k.lower()}" for k, v in counts.items()) or "no test finished"
         head = f"cut short ({so_far})"
-        if last_started:
-            head += f"; running: {last_started}"
+        if running:
+            names = list(running)
+            head += "; running: " + ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
     if failed:
         head += "; failed: " + ", ".join(failed[:8]) + (" ..." if len(failed) > 8 else "")
     return head
 
 
-def pytest_step(name: str, paths: list[str], timeout: float, report: Report) -> list[Step]:
-    """``pytest -m gpu -v`` over ``paths``."""
+def xdist_workers() -> int:
+    """Processes for the tensorlib gpu tests: several where pytest-xdist is installed (CuPy
+    compiles each new kernel on a fresh machine; processes compile in parallel), else 0."""
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(0, min(8, (os.cpu_count() or 1) // 2))
+
+
+def pytest_step(
+    name: str, paths: list[str], timeout: float, report: Report, workers: int = 0
+) -> list[Step]:
+    """``pytest -m gpu -v`` over ``paths``, in ``workers`` processes when more than 1."""
     if timeout < 20:
         return [(name, 124, "skipped: the time budget ran out")]
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider"]
-    cmd += [f"--timeout={PER_TEST_TIMEOUT_S}", *paths]
+    cmd += [f"--timeout={PER_TEST_TIMEOUT_S}", *(["-n", str(workers)] if workers > 1 else [])]
+    cmd += paths
     rc, text, took = run(cmd, timeout, report)
     detail = pytest_summary(text, rc)
     print(f"{name}: rc={rc} ({took:.0f} s) {detail}", flush=True)
@@ -389,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         report.add(ddp_nccl_steps(info, report, budget.take))
         budget.drop("ddp")  # where only world size 1 ran
     name = "pytest -m gpu (tensorlib and the rest)"
-    report.add(pytest_step(name, TESTS_REST, budget.take("tests-tensorlib"), report))
+    timeout = budget.take("tests-tensorlib")
+    report.add(pytest_step(name, TESTS_REST, timeout, report, xdist_workers()))
 
     bench_json = (args.out or Path(tempfile.gettempdir())) / "mlp_step_cuda.json"
     rounds = ["--rounds", "3"] if args.quick else []

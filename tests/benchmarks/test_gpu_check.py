@@ -7,6 +7,7 @@ step started, and its report written after every step are all checked here.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,50 @@ def test_pytest_summary_of_a_cut_short_run_names_the_running_test() -> None:
 def test_pytest_summary_when_nothing_ran() -> None:
     got = gpu_check.pytest_summary("ImportError while loading conftest\n", 4)
     assert got == "cut short (no test finished)"
+
+
+XDIST = """\
+4 workers [5 items]
+
+scheduling tests via LoadScheduling
+
+tests/tensorlib/test_device.py::test_a[cuda]
+tests/tensorlib/test_device.py::test_b[float16 x, 2 dims]
+tests/tensorlib/test_ops.py::test_c
+[gw2] [ 20%] PASSED tests/tensorlib/test_device.py::test_a[cuda]
+tests/tensorlib/test_ops.py::test_d
+[gw1] [ 40%] FAILED tests/tensorlib/test_ops.py::test_c
+[gw0] [ 60%] SKIPPED tests/tensorlib/test_device.py::test_b[float16 x, 2 dims]
+"""
+
+
+def test_pytest_summary_of_an_xdist_run() -> None:
+    """With pytest-xdist (the tensorlib step uses it where installed) results come as
+    "[gwN] [ pp%] OUTCOME node id" lines, tests scheduled earlier; several run at once."""
+    done = XDIST + "[gw3] [ 80%] PASSED tests/tensorlib/test_ops.py::test_d\n"
+    done += "===== 1 failed, 2 passed, 1 skipped in 12.00s =====\n"
+    got = gpu_check.pytest_summary(done, 1)
+    assert got == "1 failed, 2 passed, 1 skipped; failed: tests/tensorlib/test_ops.py::test_c"
+    got = gpu_check.pytest_summary(XDIST + "\n[timed out after 200 s]\n", 124)
+    assert got == (
+        "cut short (1 passed, 1 failed, 1 skipped); running: tests/tensorlib/test_ops.py::test_d"
+        "; failed: tests/tensorlib/test_ops.py::test_c"
+    )
+
+
+def test_xdist_only_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a)
+    )
+    assert gpu_check.xdist_workers() == 0
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert gpu_check.xdist_workers() == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert gpu_check.xdist_workers() == 1  # one process: pytest_step then runs without -n
 
 
 # ---------------------------------------------------------------------------- run, budget
