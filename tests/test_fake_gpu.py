@@ -286,15 +286,10 @@ def test_the_gpu_checks_example_and_timing_steps_run_on_a_fake_gpu(
     """What benchmarks/gpu_check.py runs after the tests (the example on cuda, mlp_step on
     cuda), small, on the fake: a lent GPU's few minutes must not go to a script error."""
     pytest.importorskip("sklearn", reason="the example's dataset ships with scikit-learn")
-    import importlib.util
-
     from benchmarks import mlp_step
+    from tests.helpers import load_example
 
-    spec = importlib.util.spec_from_file_location("train_mlp", ROOT / "examples" / "train_mlp.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["train_mlp"] = example
-    spec.loader.exec_module(example)
+    example = load_example("train_mlp")
     acc = example.train(epochs=3, device="cuda", progress=False, log=False)
     assert acc >= 0.8, f"3 epochs on the fake GPU reached only {acc:.2%}"
 
