@@ -39,7 +39,7 @@ from ._errors import (
     PeerFailureError,
 )
 from ._group import NonMemberGroup, ProcessGroup
-from ._registry import available_backends, register_backend
+from ._registry import available_backends, backend_unavailable_reason, register_backend
 from ._spawn import Parallel, SpawnContext, SpawnError, spawn
 from ._types import ReduceOp
 from ._work import Work
@@ -66,6 +66,7 @@ __all__ = [
     "all_to_all",
     "alloc",
     "available_backends",
+    "backend_unavailable_reason",
     "barrier",
     "broadcast",
     "broadcast_object",

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from ._backend import Backend, GroupInfo
 
-__all__ = ["BackendSpec", "available_backends", "get_backend_spec", "register_backend"]
+__all__ = [
+    "BackendSpec",
+    "available_backends",
+    "backend_unavailable_reason",
+    "get_backend_spec",
+    "register_backend",
+]
 
 
 @dataclass(frozen=True)
@@ -65,3 +71,12 @@ def registered_backends() -> list[str]:
 def available_backends() -> list[str]:
     """Names of the registered backends that are usable on this machine."""
     return [n for n in sorted(_REGISTRY) if _REGISTRY[n].probe() is None]
+
+
+def backend_unavailable_reason(name: str) -> str | None:
+    """None when backend ``name`` is usable here, else the reason it is not (one line).
+
+    Raises:
+        ValueError: for unknown names, listing the registered ones.
+    """
+    return get_backend_spec(name).probe()
