@@ -1,11 +1,27 @@
 """The backend contract, the request a collective becomes, and the per-group executor.
 
-A backend implements narrow primitives on host or device arrays that were already validated
-by :class:`~collectives._group.ProcessGroup`. Synchronous engines (serial, cpu, mpi) implement
-:meth:`Backend.run`, which executes one request to completion in the calling thread; the
-group's :class:`Executor` runs it inline for blocking calls when nothing is queued, or on the
-group's communication thread for ``async_op=True``, always in submission order. Engines with
-their own asynchrony (nccl) override :meth:`Backend.submit`.
+:class:`~collectives._group.ProcessGroup` checks every call once (array type, dtype,
+contiguity, shapes, ranks, reduce op), numbers it and turns it into a :class:`Request`; a
+backend only moves data. What a backend implements (see also docs/design.md):
+
+* ``name`` (what users pass as ``backend=``) and ``accepts_device_arrays`` (False: the group
+  stages CuPy arrays through host memory, so the engine only ever sees NumPy arrays).
+* **Synchronous engines** (serial, cpu, mpi) implement one method per op, ``_do_<op>(req)``
+  for ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``,
+  ``all_to_all``, ``barrier``, ``send`` and ``recv``: run the request to completion in the
+  calling thread and raise a :class:`~collectives.CollectiveError` on failure. The base
+  :meth:`Backend.run` dispatches to them; at world size 1 it runs the identity itself, so no
+  engine writes that case. Requests run in submission order through the group's
+  :class:`Executor`: inline for blocking calls when nothing is queued, else on the group's
+  communication thread.
+* **Engines with their own asynchrony** (nccl) override :meth:`Backend.submit`,
+  :meth:`Backend.drain` and :meth:`Backend.close` instead (and keep the ``_do_<op>`` naming for
+  their per-op enqueue functions).
+* Optionally: :meth:`Backend.alloc` (memory the engine reduces without copies),
+  :meth:`Backend.split` (build a subgroup from this group, e.g. ``ncclCommSplit``),
+  :meth:`Backend.device_problem` (refuse a CuPy array on the wrong GPU), :meth:`Backend.abort`
+  (tell the peers about a failure).
+* The module registers the backend: :func:`collectives.register_backend`.
 """
 
 from __future__ import annotations
@@ -13,14 +29,20 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ._errors import CollectiveError, GroupAbortedError
-from ._types import ReduceOp, Signature
+from ._errors import CollectiveError, ErrorT, collective_error, unusable_error, where
+from ._signature import Signature
+from ._types import ReduceOp
 from ._work import Work
 
-__all__ = ["Backend", "Executor", "GroupInfo", "Request"]
+__all__ = ["Backend", "Executor", "GroupInfo", "Request", "run_alone"]
+
+# Ops whose output is a separate array (``Request.out``); the rest work in place.
+OUT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+P2P_OPS = ("send", "recv")
 
 
 @dataclass(frozen=True)
@@ -48,8 +70,29 @@ class GroupInfo:
     local_rank: int = 0
 
     def describe(self) -> str:
-        """``group 'name' (n ranks)`` for messages."""
+        """``group 'name' of n rank(s)`` for messages."""
         return f"group {self.name!r} of {self.size} rank(s)"
+
+    def where(self, op: str = "", seq: int | None = None) -> str:
+        """``[rank 3] all_reduce #7 (group 'world' of 4 rank(s))``: the head of a message."""
+        return where(self.global_rank, op, seq, self.describe())
+
+    def error(
+        self,
+        cls: type[ErrorT],
+        op: str,
+        seq: int | None,
+        detail: str,
+        cause: BaseException | None = None,
+    ) -> ErrorT:
+        """An error of class ``cls`` about call ``op`` #``seq`` of this group on this rank."""
+        return collective_error(
+            cls, detail, rank=self.global_rank, op=op, seq=seq, group=self.describe(), cause=cause
+        )
+
+    def unusable(self, op: str, seq: int | None, cause: BaseException) -> CollectiveError:
+        """The error of a call on this group after ``cause`` broke it."""
+        return unusable_error(cause, rank=self.global_rank, op=op, seq=seq, group=self.describe())
 
 
 @dataclass(slots=True)
@@ -58,7 +101,8 @@ class Request:
 
     Attributes:
         op: collective name (``"all_reduce"``...).
-        seq: the group's sequence number (per-peer counter for send/recv).
+        seq: the group's sequence number (per-peer counter for send/recv), set when the group
+            queues the request.
         signature: what all ranks must agree on.
         array: the input (and, for in-place ops, output) host or device array.
         out: preallocated output array (all_gather, reduce_scatter, all_to_all), or None.
@@ -80,11 +124,21 @@ class Request:
     peer: int = -1
     deadline: float = 0.0
     result: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_alone(req: Request) -> None:
+    """Run ``req`` in a group of one: every collective is the identity.
+
+    all_reduce, broadcast and reduce leave the array as it is (AVG over one rank is itself);
+    the only block of a gathered or scattered output is this rank's own input; a barrier has
+    nobody to wait for. (send/recv need a peer, which the group checked.)
+    """
+    if req.op in OUT_OPS:
+        req.out[...] = req.array.reshape(req.out.shape)
 
 
 class Backend:
-    """Base class of backends. Subclasses set ``name`` and implement ``run`` (or ``submit``).
+    """Base class of backends (the contract is in the module docstring).
 
     Args:
         info: the group this backend serves.
@@ -97,12 +151,22 @@ class Backend:
     def __init__(self, info: GroupInfo) -> None:
         self.info = info
         self.error: CollectiveError | None = None
-        self.executor = Executor(self)
+        self._executor = Executor(self)
 
     # ------------------------------------------------------------------ what engines implement
     def run(self, req: Request) -> None:
         """Execute ``req`` to completion in this thread; raise CollectiveError on failure."""
-        raise NotImplementedError
+        if self.info.size == 1:
+            run_alone(req)
+            return
+        self.handler(req.op)(req)
+
+    def handler(self, op: str) -> Callable[..., None]:
+        """The engine's ``_do_<op>`` method (the one dispatch convention of every backend)."""
+        fn = getattr(self, "_do_" + op, None)
+        if fn is None:
+            raise NotImplementedError(f"the {self.name} backend has no operation {op!r}")
+        return fn
 
     def alloc(self, shape: tuple[int, ...], dtype: Any, seq: int) -> Any:
         """Collective allocation of an array the engine can reduce without copies.
@@ -112,10 +176,6 @@ class Backend:
         import numpy as np
 
         return np.zeros(shape, dtype=dtype)
-
-    def close(self) -> None:
-        """Release resources (segments, threads, communicators). Idempotent."""
-        self.executor.close()
 
     def abort(self, reason: CollectiveError) -> None:
         """Mark the group broken so that later calls fail at once with ``reason``."""
@@ -137,21 +197,23 @@ class Backend:
         """
         return None
 
-    # ------------------------------------------------------------------ dispatch
+    # ------------------------------------------------------------------ queueing
     def submit(self, req: Request, async_op: bool) -> Work:
         """Queue ``req`` in submission order; return its Work."""
-        return self.executor.submit(req, async_op)
+        return self._executor.submit(req, async_op)
 
-    def check_usable(self, op: str, seq: int) -> None:
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted request finished; False if ``timeout`` passed first."""
+        return self._executor.drain(timeout)
+
+    def close(self) -> None:
+        """Release resources (segments, threads, communicators). Idempotent."""
+        self._executor.close()
+
+    def check_usable(self, op: str, seq: int | None) -> None:
         """Raise GroupAbortedError if an earlier failure broke this group."""
         if self.error is not None:
-            raise GroupAbortedError(
-                f"[rank {self.info.global_rank}] {op} #{seq}: {self.info.describe()} is unusable "
-                f"after an earlier failure: {self.error}",
-                rank=self.info.global_rank,
-                op=op,
-                seq=seq,
-            )
+            raise self.info.unusable(op, seq, self.error)
 
 
 class Executor:
@@ -194,11 +256,14 @@ class Executor:
             try:
                 self._execute(req, work)
             finally:
-                with self._lock:
-                    self._running = False
-                    if self._waiting:
-                        self._cond.notify_all()
+                self._idle()
         return work
+
+    def _idle(self) -> None:
+        with self._lock:
+            self._running = False
+            if self._waiting:
+                self._cond.notify_all()
 
     def _execute(self, req: Request, work: Work) -> None:
         backend = self.backend
@@ -210,11 +275,12 @@ class Executor:
             backend.abort(exc)
             work.set_error(exc)
         except BaseException as exc:  # a bug or bad state in an engine: never leave Work pending
+            info = backend.info
             backend.abort(
-                CollectiveError(
-                    f"[rank {backend.info.global_rank}] {req.op} #{req.seq} failed: "
-                    f"{type(exc).__name__}: {exc}",
-                    rank=backend.info.global_rank,
+                collective_error(
+                    CollectiveError,
+                    f"the engine raised {type(exc).__name__}: {exc}",
+                    rank=info.global_rank,
                     op=req.op,
                     seq=req.seq,
                 )
@@ -235,10 +301,7 @@ class Executor:
             try:
                 self._execute(req, work)
             finally:
-                with self._lock:
-                    self._running = False
-                    if self._waiting:
-                        self._cond.notify_all()
+                self._idle()
 
     def _wait(self, timeout: float | None) -> None:
         """``self._cond.wait`` (lock held), counted so that notifiers can skip empty rooms."""
@@ -247,11 +310,6 @@ class Executor:
             self._cond.wait(timeout)
         finally:
             self._waiting -= 1
-
-    def pending(self) -> int:
-        """Number of queued or running requests."""
-        with self._cond:
-            return len(self._queue) + (1 if self._running else 0)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running; False if ``timeout`` passed first."""

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._exit import on_uncaught
+
 __all__ = [
     "ERROR_FILE_ENV",
     "extract_traceback",
@@ -34,8 +36,6 @@ ERROR_FILE_ENV = "DPT_ERROR_FILE"
 # Error files are small; a corrupt or hostile one must not make the launcher read gigabytes.
 _MAX_ERROR_FILE_BYTES = 1 << 20
 _MAX_TRACEBACK_CHARS = 256 * 1024
-
-_HOOK_MARK = "_dpt_error_file_hook"
 
 
 def _qualified_name(exc_type: type[BaseException]) -> str:
@@ -94,30 +94,34 @@ def write_error_file(
 def install_excepthook() -> bool:
     """Record uncaught exceptions in ``$DPT_ERROR_FILE`` when the launcher asked for it.
 
-    Installs a ``sys.excepthook`` that writes the error record (see :func:`write_error_file`)
-    and then calls the previous hook, so the traceback is still printed as usual. Calling it
-    again is a no-op.
+    Registers (with :func:`collectives._exit.on_uncaught`) a callback that writes the error
+    record (see :func:`write_error_file`) before the previous ``sys.excepthook`` prints the
+    traceback as usual. Calling it again is a no-op (a changed ``DPT_ERROR_FILE`` is followed).
 
     Returns:
         True when the hook is installed (now or before), False when ``DPT_ERROR_FILE`` is unset.
     """
-    if getattr(sys.excepthook, _HOOK_MARK, False):
-        return True
+    global _error_file
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
-        return False
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        try:
-            write_error_file(path, exc_type, exc, tb)
-        except Exception as err:  # never let reporting hide the real error
-            print(f"collectives: could not write error file {path}: {err}", file=sys.stderr)
-        previous(exc_type, exc, tb)
-
-    setattr(hook, _HOOK_MARK, True)
-    sys.excepthook = hook
+        return _error_file is not None
+    _error_file = path
+    on_uncaught(_write_uncaught)
     return True
+
+
+_error_file: str | None = None
+
+
+def _write_uncaught(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if _error_file is None:
+        return
+    try:
+        write_error_file(_error_file, exc_type, exc, tb)
+    except Exception as err:  # never let reporting hide the real error
+        print(f"collectives: could not write error file {_error_file}: {err}", file=sys.stderr)
 
 
 def read_error_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -1,6 +1,14 @@
-"""Exceptions raised by collectives. Every one names the rank, the op and its sequence number."""
+"""Exceptions raised by collectives, and the one helper that builds them.
+
+Every collective error names the rank, the op and its sequence number, in one format:
+``[rank 3] all_reduce #7 (group 'world' of 4 rank(s)): <what happened>``. Build them with
+:func:`where` and :func:`collective_error` (or :meth:`GroupInfo.error
+<collectives._backend.GroupInfo.error>`, which fills in the group), never by hand.
+"""
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 __all__ = [
     "CollectiveError",
@@ -8,6 +16,9 @@ __all__ = [
     "CollectiveTimeoutError",
     "GroupAbortedError",
     "PeerFailureError",
+    "collective_error",
+    "unusable_error",
+    "where",
 ]
 
 
@@ -54,3 +65,62 @@ class PeerFailureError(CollectiveError):
 
 class GroupAbortedError(CollectiveError):
     """The group is unusable because an earlier collective failed (the cause is in the text)."""
+
+
+ErrorT = TypeVar("ErrorT", bound=CollectiveError)
+
+
+def where(rank: int, op: str = "", seq: int | None = None, group: str | None = None) -> str:
+    """The head of every collective message: ``[rank 3] all_reduce #7 (group 'world' ...)``.
+
+    Args:
+        rank: the global rank reporting.
+        op: the op (empty: the message is about the rank or group, not one call).
+        seq: the op's sequence number in its group (None: not numbered, e.g. ``init``).
+        group: the group's description (:meth:`GroupInfo.describe`), or None to leave it out.
+    """
+    head = f"[rank {rank}]"
+    if op:
+        head += f" {op}" if seq is None else f" {op} #{seq}"
+    return head if group is None else f"{head} ({group})"
+
+
+def collective_error(
+    cls: type[ErrorT],
+    detail: str,
+    *,
+    rank: int,
+    op: str = "",
+    seq: int | None = None,
+    group: str | None = None,
+    cause: BaseException | None = None,
+) -> ErrorT:
+    """``cls("<where>: <detail>")`` with its ``rank``, ``op`` and ``seq`` fields set.
+
+    Args:
+        cls: the error class.
+        detail: what happened (and, where it helps, what to do).
+        rank, op, seq, group: see :func:`where`.
+        cause: becomes the error's ``__cause__`` (as ``raise ... from cause`` would).
+    """
+    head = where(rank, op, seq, group)
+    # "[rank 3] all_reduce #7: detail", but "[rank 3] detail" when it is about no call.
+    sep = ": " if op or group else " "
+    err = cls(head + sep + detail, rank=rank, op=op or None, seq=seq)
+    if cause is not None:
+        err.__cause__ = cause
+    return err
+
+
+def unusable_error(
+    cause: BaseException, *, rank: int, op: str, seq: int | None, group: str
+) -> GroupAbortedError:
+    """The error of every call on a group that an earlier failure (``cause``) broke."""
+    return collective_error(
+        GroupAbortedError,
+        f"the group is unusable after an earlier failure: {cause}",
+        rank=rank,
+        op=op,
+        seq=seq,
+        group=group,
+    )

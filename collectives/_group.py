@@ -20,8 +20,10 @@ import numpy as np
 
 from tensorlib import Tensor
 
-from ._backend import Backend, GroupInfo, Request
-from ._types import DTYPE_CODES, SUPPORTED_NAMES, ReduceOp, Signature
+from ._backend import P2P_OPS, Backend, GroupInfo, Request
+from ._errors import where
+from ._signature import Signature
+from ._types import DTYPE_CODES, SUPPORTED_NAMES, ReduceOp
 
 __all__ = ["NonMemberGroup", "ProcessGroup"]
 
@@ -102,8 +104,8 @@ class ProcessGroup:
 
     # ------------------------------------------------------------------ helpers
     def _where(self, op: str, seq: int | None = None) -> str:
-        s = f" #{seq}" if seq is not None else f" #{self._seq + 1}"
-        return f"[rank {self.info.global_rank}] {op}{s}"
+        """Head of a refusal: the call's number is the one it would have got."""
+        return where(self.info.global_rank, op, self._seq + 1 if seq is None else seq)
 
     def _arg(self, op: str, x: Any, what: str = "input", writable: bool = False) -> _Arg:
         if isinstance(x, Tensor):
@@ -189,37 +191,37 @@ class ProcessGroup:
             )
         return o
 
-    def _submit(
-        self,
-        req: Request,
-        async_op: bool,
-        finalize: Callable[[], Any],
-    ) -> Any:
-        """Queue ``req`` (releasing the lock ``_next`` took), then wait unless async."""
-        try:
+    def _issue(self, req: Request, async_op: bool, finalize: Callable[[], Any]) -> Any:
+        """Number ``req`` and queue it, then wait for it unless ``async_op``.
+
+        Numbering and queueing happen under the group's lock, so that queue order equals
+        sequence order when several threads issue collectives on one group (each rank then
+        sees the same order). A blocking call that runs inline holds it while it runs.
+        """
+        with self._lock:
+            if req.op in P2P_OPS:
+                key = (req.op, req.peer)  # send and recv are numbered per peer
+                req.seq = self._p2p[key] = self._p2p.get(key, 0) + 1
+            else:
+                self._seq += 1
+                req.seq = self._seq
+            self.backend.check_usable(req.op, req.seq)
             work = self.backend.submit(req, async_op)
-        finally:
-            self._lock.release()
         work._finalize = lambda _out: finalize()
         if async_op:
             return work
         return work.wait()
 
-    def _next(self, op: str) -> int:
-        """Take the group's lock and the next sequence number; ``_submit`` releases the lock.
-
-        Holding it from numbering to queueing keeps queue order equal to sequence order when
-        several threads issue collectives on one group (each rank then sees the same order).
-        """
-        self._lock.acquire()
-        try:
-            self._seq += 1
-            seq = self._seq
-            self.backend.check_usable(op, seq)
-        except BaseException:
-            self._lock.release()
-            raise
-        return seq
+    def _output(
+        self, op: str, src: _Arg, out: Any, shape: tuple[int, ...]
+    ) -> tuple[Any, Callable[[], Any]]:
+        """The array an op with a separate output writes (the user's ``out``, checked, or a
+        new one like ``src``), and what the call returns once it finished."""
+        if out is not None:
+            o = self._check_out(op, out, shape, src.array.dtype)
+            return o.array, lambda: self._give_back(o)
+        fresh = self._new_output(src, shape)
+        return fresh, lambda: self._new_result(src, fresh)
 
     @staticmethod
     def _give_back(arg: _Arg) -> Any:
@@ -254,19 +256,17 @@ class ProcessGroup:
         """
         a = self._arg("all_reduce", x, writable=True)
         rop = self._reduce_op("all_reduce", op, a.array)
-        seq = self._next("all_reduce")
         sig = Signature("all_reduce", a.array.dtype, tuple(a.array.shape), -1, rop)
-        req = Request("all_reduce", seq, sig, array=a.array, reduce_op=rop)
-        return self._submit(req, async_op, lambda: self._give_back(a))
+        req = Request("all_reduce", 0, sig, array=a.array, reduce_op=rop)
+        return self._issue(req, async_op, lambda: self._give_back(a))
 
     def broadcast(self, x: Any, src: int, async_op: bool = False) -> Any:
         """Copy ``x`` from global rank ``src`` into ``x`` on every rank (in place)."""
         a = self._arg("broadcast", x, writable=True)
         root = self._group_rank("broadcast", src, "src")
-        seq = self._next("broadcast")
         sig = Signature("broadcast", a.array.dtype, tuple(a.array.shape), root)
-        req = Request("broadcast", seq, sig, array=a.array, root=root)
-        return self._submit(req, async_op, lambda: self._give_back(a))
+        req = Request("broadcast", 0, sig, array=a.array, root=root)
+        return self._issue(req, async_op, lambda: self._give_back(a))
 
     def reduce(
         self, x: Any, dst: int, op: ReduceOp | str = ReduceOp.SUM, async_op: bool = False
@@ -275,10 +275,9 @@ class ProcessGroup:
         a = self._arg("reduce", x, writable=True)
         rop = self._reduce_op("reduce", op, a.array)
         root = self._group_rank("reduce", dst, "dst")
-        seq = self._next("reduce")
         sig = Signature("reduce", a.array.dtype, tuple(a.array.shape), root, rop)
-        req = Request("reduce", seq, sig, array=a.array, reduce_op=rop, root=root)
-        return self._submit(req, async_op, lambda: self._give_back(a))
+        req = Request("reduce", 0, sig, array=a.array, reduce_op=rop, root=root)
+        return self._issue(req, async_op, lambda: self._give_back(a))
 
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
         """Gather ``x`` from every rank into an array of shape ``(size, *x.shape)``.
@@ -288,21 +287,10 @@ class ProcessGroup:
             out: optional output of that shape and dtype (filled in place).
         """
         a = self._arg("all_gather", x)
-        shape = (self.size, *a.array.shape)
-        if out is not None:
-            o = self._check_out("all_gather", out, shape, a.array.dtype)
-            host_out = o.array
-        else:
-            o = None
-            host_out = self._new_output(a, shape)
-        seq = self._next("all_gather")
+        dest, finalize = self._output("all_gather", a, out, (self.size, *a.array.shape))
         sig = Signature("all_gather", a.array.dtype, tuple(a.array.shape))
-        req = Request("all_gather", seq, sig, array=a.array, out=host_out)
-
-        def finalize() -> Any:
-            return self._give_back(o) if o is not None else self._new_result(a, host_out)
-
-        return self._submit(req, async_op, finalize)
+        req = Request("all_gather", 0, sig, array=a.array, out=dest)
+        return self._issue(req, async_op, finalize)
 
     def reduce_scatter(
         self, x: Any, op: ReduceOp | str = ReduceOp.SUM, out: Any = None, async_op: bool = False
@@ -315,20 +303,10 @@ class ProcessGroup:
         a = self._arg("reduce_scatter", x)
         rop = self._reduce_op("reduce_scatter", op, a.array)
         shape = self._blocked_shape("reduce_scatter", a.array)
-        if out is not None:
-            o = self._check_out("reduce_scatter", out, shape, a.array.dtype)
-            host_out = o.array
-        else:
-            o = None
-            host_out = self._new_output(a, shape)
-        seq = self._next("reduce_scatter")
+        dest, finalize = self._output("reduce_scatter", a, out, shape)
         sig = Signature("reduce_scatter", a.array.dtype, tuple(a.array.shape), -1, rop)
-        req = Request("reduce_scatter", seq, sig, array=a.array, out=host_out, reduce_op=rop)
-
-        def finalize() -> Any:
-            return self._give_back(o) if o is not None else self._new_result(a, host_out)
-
-        return self._submit(req, async_op, finalize)
+        req = Request("reduce_scatter", 0, sig, array=a.array, out=dest, reduce_op=rop)
+        return self._issue(req, async_op, finalize)
 
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False) -> Any:
         """Send block j of ``x`` (along the first axis) to rank j; block i of the output came
@@ -337,20 +315,10 @@ class ProcessGroup:
         a = self._arg("all_to_all", x)
         self._blocked_shape("all_to_all", a.array)
         shape = tuple(a.array.shape)
-        if out is not None:
-            o = self._check_out("all_to_all", out, shape, a.array.dtype)
-            host_out = o.array
-        else:
-            o = None
-            host_out = self._new_output(a, shape)
-        seq = self._next("all_to_all")
+        dest, finalize = self._output("all_to_all", a, out, shape)
         sig = Signature("all_to_all", a.array.dtype, shape)
-        req = Request("all_to_all", seq, sig, array=a.array, out=host_out)
-
-        def finalize() -> Any:
-            return self._give_back(o) if o is not None else self._new_result(a, host_out)
-
-        return self._submit(req, async_op, finalize)
+        req = Request("all_to_all", 0, sig, array=a.array, out=dest)
+        return self._issue(req, async_op, finalize)
 
     def _blocked_shape(self, op: str, arr: Any) -> tuple[int, ...]:
         if arr.ndim == 0 or arr.shape[0] % self.size != 0:
@@ -362,46 +330,30 @@ class ProcessGroup:
 
     def barrier(self, async_op: bool = False) -> Any:
         """Wait until every rank of the group reached this barrier."""
-        seq = self._next("barrier")
-        req = Request("barrier", seq, Signature("barrier", None, ()))
-        return self._submit(req, async_op, lambda: None)
+        req = Request("barrier", 0, Signature("barrier", None, ()))
+        return self._issue(req, async_op, lambda: None)
 
     def send(self, x: Any, dst: int, async_op: bool = False) -> Any:
         """Send ``x`` to global rank ``dst`` (which must ``recv`` the same shape and dtype)."""
         a = self._arg("send", x)
         peer = self._peer("send", dst, "dst")
-        seq = self._next_p2p("send", peer)
         sig = Signature("send", a.array.dtype, tuple(a.array.shape), peer)
-        req = Request("send", seq, sig, array=a.array, peer=peer)
-        return self._submit(req, async_op, lambda: None)
+        req = Request("send", 0, sig, array=a.array, peer=peer)
+        return self._issue(req, async_op, lambda: None)
 
     def recv(self, x: Any, src: int, async_op: bool = False) -> Any:
         """Receive into ``x`` (in place) what global rank ``src`` sends."""
         a = self._arg("recv", x, writable=True)
         peer = self._peer("recv", src, "src")
-        seq = self._next_p2p("recv", peer)
         sig = Signature("recv", a.array.dtype, tuple(a.array.shape), peer)
-        req = Request("recv", seq, sig, array=a.array, peer=peer)
-        return self._submit(req, async_op, lambda: self._give_back(a))
+        req = Request("recv", 0, sig, array=a.array, peer=peer)
+        return self._issue(req, async_op, lambda: self._give_back(a))
 
     def _peer(self, op: str, rank: int, what: str) -> int:
         peer = self._group_rank(op, rank, what)
         if peer == self.rank:
             raise ValueError(f"{self._where(op)}: {what}={rank} is this rank itself")
         return peer
-
-    def _next_p2p(self, op: str, peer: int) -> int:
-        """Like ``_next`` for one peer's send or receive counter (lock released by _submit)."""
-        self._lock.acquire()
-        try:
-            key = (op, peer)
-            self._p2p[key] = self._p2p.get(key, 0) + 1
-            seq = self._p2p[key]
-            self.backend.check_usable(op, seq)
-        except BaseException:
-            self._lock.release()
-            raise
-        return seq
 
     # ------------------------------------------------------------------ shared memory
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray[Any, Any]:
@@ -415,12 +367,11 @@ class ProcessGroup:
         dt = np.dtype(dtype)
         if dt not in DTYPE_CODES:
             raise TypeError(f"{self._where('alloc')}: unsupported dtype {dt}")
-        seq = self._next("alloc")
-        try:
-            self.backend.executor.drain()
-            return self.backend.alloc(shp, dt, seq)
-        finally:
-            self._lock.release()
+        with self._lock:
+            self._seq += 1
+            self.backend.check_usable("alloc", self._seq)
+            self.backend.drain()
+            return self.backend.alloc(shp, dt, self._seq)
 
     # ------------------------------------------------------------------ objects
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -469,7 +420,7 @@ class ProcessGroup:
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self, timeout: float | None = None) -> bool:
         """Wait until every queued async collective of this group finished."""
-        return self.backend.executor.drain(timeout)
+        return self.backend.drain(timeout)
 
     def destroy(self) -> None:
         """Release the backend's resources (idempotent)."""

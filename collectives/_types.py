@@ -1,13 +1,22 @@
-"""Reduction ops, supported dtypes and collective signatures."""
+"""Reduction ops, and the stable codes of dtypes, ops and reductions that signatures carry."""
 
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DTYPE_CODES", "ReduceOp", "Signature", "dtype_code"]
+__all__ = [
+    "CODE_DTYPES",
+    "CODE_OPS",
+    "CODE_REDUCES",
+    "DTYPE_CODES",
+    "OP_CODES",
+    "REDUCE_CODES",
+    "SUPPORTED_NAMES",
+    "ReduceOp",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -62,32 +71,3 @@ REDUCE_CODES: dict[ReduceOp | None, int] = {
     ReduceOp.AVG: 5,
 }
 CODE_REDUCES: dict[int, ReduceOp | None] = {v: k for k, v in REDUCE_CODES.items()}
-
-
-def dtype_code(dtype: np.dtype[Any]) -> int:
-    """The signature code of a supported dtype (0 for none)."""
-    return DTYPE_CODES.get(np.dtype(dtype), 0)
-
-
-class Signature(NamedTuple):
-    """What every rank must agree on for one collective: compared across ranks before data moves.
-
-    ``shape`` is the per-rank input shape; ``root`` is the group rank of the root (or -1).
-    (A NamedTuple: immutable, hashable for the backends' caches, and made on every call, where
-    it is about three times cheaper than a frozen dataclass.)
-    """
-
-    op: str
-    dtype: np.dtype[Any] | None
-    shape: tuple[int, ...]
-    root: int = -1
-    reduce_op: ReduceOp | None = None
-
-    def describe(self) -> str:
-        """Human-readable form used in error messages."""
-        parts = [f"{self.op}", f"dtype={self.dtype}", f"shape={self.shape}"]
-        if self.root >= 0:
-            parts.append(f"root={self.root}")
-        if self.reduce_op is not None:
-            parts.append(f"op={self.reduce_op}")
-        return "(" + ", ".join(parts) + ")"

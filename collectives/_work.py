@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import CollectiveTimeoutError
+from ._errors import CollectiveTimeoutError, collective_error
 
 __all__ = ["Work"]
 
@@ -61,14 +61,19 @@ class Work:
             CollectiveError: the collective's own failure.
         """
         if not self._done and (self._event is None or not self._event.wait(timeout)):
-            raise CollectiveTimeoutError(
-                f"[rank {self.rank}] {self.op} #{self.seq}: Work.wait(timeout={timeout}) expired "
-                f"before the collective completed (it is still in flight)",
-                rank=self.rank,
-                op=self.op,
-                seq=self.seq,
-            )
+            raise self.expired(timeout)
         return self._deliver()
+
+    def expired(self, timeout: float | None) -> CollectiveTimeoutError:
+        """The error of a ``wait(timeout)`` that gave up first."""
+        return collective_error(
+            CollectiveTimeoutError,
+            f"Work.wait(timeout={timeout}) expired before the collective completed (it is "
+            "still in flight)",
+            rank=self.rank,
+            op=self.op,
+            seq=self.seq,
+        )
 
     def _deliver(self) -> Any:
         """Once done: raise the collective's error, or return its (finalized) output."""

@@ -1,15 +1,8 @@
-"""A thin ctypes binding of ``libnccl.so.2``: loading, one declaration per function, errors.
+"""A thin ctypes binding of ``libnccl.so.2``: its constants, one declaration per function, errors.
 
-Loading (:func:`load`) tries, in order, and remembers the first that works:
-
-1. ``NCCL_LIB_PATH`` when set (a file, or a folder holding ``libnccl.so.2``): an explicit
-   choice wins over anything installed;
-2. the ``nvidia-nccl-cu12`` / ``nvidia-nccl-cu13`` wheels (``site-packages/nvidia/nccl/lib``);
-3. the system's loader search path (``libnccl.so.2``).
-
-A failure raises :class:`NcclUnavailableError` naming every path tried, why each failed, and
-the extra to install. Every function is declared once with its ``argtypes``/``restype``; those
+Every function is declared once (:data:`SIGNATURES`) with its ``argtypes``/``restype``; those
 newer than the library (per ``ncclGetVersion``) are left unbound and :meth:`Nccl.has` says so.
+Finding and loading the library is ``_nccl_load``.
 
 :class:`Nccl` wraps a *raw* function table (the bound library, or a fake with the same function
 names and C calling convention, see tests/fakes/fake_nccl.py) and turns every non-zero result
@@ -21,11 +14,6 @@ into an :class:`NcclError` carrying the code's name, ``ncclGetErrorString`` and
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
-import threading
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -34,19 +22,21 @@ from .._types import ReduceOp
 
 __all__ = [
     "API_MAGIC",
+    "FLOAT32",
+    "INT32",
     "IN_PROGRESS",
+    "REMOTE_ERROR",
     "SPLIT_NOCOLOR",
     "SUCCESS",
+    "TIMEOUT",
+    "UINT8",
     "Config",
     "Nccl",
     "NcclError",
     "NcclUnavailableError",
     "UniqueId",
-    "candidate_paths",
-    "load",
     "nccl_dtype",
     "nccl_op",
-    "open_library",
     "result_name",
     "version_code",
     "version_tuple",
@@ -64,8 +54,8 @@ API_MAGIC = 0xCAFEBEEF
 CONFIG_UNDEF_INT = -(2**31)
 SPLIT_NOCOLOR = -1
 
-SUCCESS = 0
-IN_PROGRESS = 7
+# ncclResult_t values the backend acts on (names of all: RESULT_NAMES).
+SUCCESS, REMOTE_ERROR, IN_PROGRESS, TIMEOUT = 0, 6, 7, 8
 RESULT_NAMES = {
     0: "ncclSuccess",
     1: "ncclUnhandledCudaError",
@@ -94,6 +84,8 @@ DTYPES: dict[str, int] = {
 }
 DTYPE_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}
 UINT8 = DTYPES["uint8"]
+INT32 = DTYPES["int32"]
+FLOAT32 = DTYPES["float32"]
 
 # ncclRedOp_t.
 OPS: dict[ReduceOp, int] = {
@@ -263,140 +255,6 @@ SIGNATURES: dict[str, tuple[Any, list[Any], int]] = {
     "ncclGroupStart": (_int, [], 0),
     "ncclGroupEnd": (_int, [], 0),
 }
-MIN_VERSION = version_code(2, 14, 0)  # ncclCommInitRankConfig: non-blocking init
-
-
-def candidate_paths(environ: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """Where :func:`load` looks, in order: ``(path or soname, where it comes from)``."""
-    env = os.environ if environ is None else environ
-    out: list[tuple[str, str]] = []
-    explicit = env.get("NCCL_LIB_PATH", "").strip()
-    if explicit:
-        p = Path(explicit)
-        out.append((str(p / LIB_NAME) if p.is_dir() else str(p), "NCCL_LIB_PATH"))
-    seen: set[str] = set()
-    for base in _nvidia_dirs():
-        cand = str(Path(base) / "nccl" / "lib" / LIB_NAME)
-        if cand not in seen:
-            seen.add(cand)
-            out.append((cand, "nvidia-nccl wheel"))
-    out.append((LIB_NAME, "system loader path"))
-    return out
-
-
-def _nvidia_dirs() -> list[str]:
-    """The ``nvidia`` namespace package's folders (where NVIDIA's wheels install)."""
-    dirs: list[str] = []
-    try:
-        import nvidia  # namespace package of the nvidia-* wheels
-
-        dirs.extend(str(p) for p in getattr(nvidia, "__path__", []))
-    except ImportError:
-        pass
-    for entry in sys.path:
-        cand = Path(entry or ".") / "nvidia"
-        if cand.is_dir() and str(cand) not in dirs:
-            dirs.append(str(cand))
-    return dirs
-
-
-def _bind(lib: ctypes.CDLL) -> tuple[SimpleNamespace, int]:
-    """Declare every function the library has, once; skip those newer than it."""
-    get_version = lib.ncclGetVersion
-    get_version.restype, get_version.argtypes = _int, [_P(_int)]
-    v = ctypes.c_int()
-    rc = get_version(v)
-    if rc != SUCCESS:
-        raise NcclUnavailableError(f"ncclGetVersion failed with {result_name(rc)}")
-    raw = SimpleNamespace()
-    for name, (restype, argtypes, since) in SIGNATURES.items():
-        if v.value < since:
-            continue
-        fn = getattr(lib, name, None)
-        if fn is None:
-            continue
-        fn.restype = restype
-        fn.argtypes = argtypes
-        setattr(raw, name, fn)
-    return raw, v.value
-
-
-_lock = threading.Lock()
-_loaded: Nccl | None = None
-_failure: NcclUnavailableError | None = None
-
-
-def load() -> Nccl:
-    """The process's NCCL, loaded on first use (or the one :func:`install` put in place).
-
-    Raises:
-        NcclUnavailableError: no libnccl.so.2 could be loaded, or it is older than 2.14.
-    """
-    global _loaded, _failure
-    if _loaded is not None:
-        return _loaded
-    with _lock:
-        if _loaded is not None:
-            return _loaded
-        if _failure is not None:
-            raise _failure
-        try:
-            _loaded = open_library()
-        except NcclUnavailableError as exc:
-            _failure = exc
-            raise
-        return _loaded
-
-
-def open_library(candidates: list[tuple[str, str]] | None = None) -> Nccl:
-    """Load and bind the first usable library among ``candidates`` (default:
-    :func:`candidate_paths`), without touching the process's cached one.
-
-    Raises:
-        NcclUnavailableError: none could be loaded; the message names each path and why.
-    """
-    tried: list[str] = []
-    for path, origin in candidate_paths() if candidates is None else candidates:
-        if os.sep in path and not os.path.exists(path):
-            tried.append(f"{path} ({origin}): not found")
-            continue
-        try:
-            # RTLD_LOCAL: another libnccl.so.2 in the process (CuPy's) keeps its own symbols.
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-            raw, version = _bind(lib)
-        except (OSError, AttributeError, NcclUnavailableError) as exc:
-            tried.append(f"{path} ({origin}): {exc}")
-            continue
-        if version < MIN_VERSION:
-            tried.append(
-                f"{path} ({origin}): NCCL {'.'.join(map(str, version_tuple(version)))} is "
-                "older than 2.14 (non-blocking communicator init)"
-            )
-            continue
-        return Nccl(raw, version, path)
-    raise NcclUnavailableError(
-        "could not load libnccl.so.2; tried:\n  " + "\n  ".join(tried) + "\nTo fix: "
-        f"{INSTALL_HINT}."
-    )
-
-
-def install(nccl: Nccl | None) -> Nccl | None:
-    """Replace the process's NCCL (tests install a fake); None forgets it. Returns the old one."""
-    global _loaded, _failure
-    with _lock:
-        old = _loaded
-        _loaded = nccl
-        _failure = None
-        return old
-
-
-def unavailable_reason() -> str | None:
-    """Why NCCL cannot be loaded here, or None when it can."""
-    try:
-        load()
-    except NcclUnavailableError as exc:
-        return str(exc)
-    return None
 
 
 # ---------------------------------------------------------------------------- the wrapper
@@ -603,12 +461,3 @@ class Nccl:
         """``ncclRecv``."""
         rc = self.raw.ncclRecv(buf, count, dtype, peer, comm, stream)
         return rc if rc == SUCCESS else self.check(rc, "ncclRecv", comm)
-
-
-def describe_environment(lib: Nccl | None = None) -> dict[str, Any]:
-    """Version and origin of the loaded library (for ``show_config`` and the GPU check)."""
-    try:
-        n = lib or load()
-    except NcclUnavailableError as exc:
-        return {"nccl": None, "reason": str(exc)}
-    return {"nccl": n.version_string, "version_code": n.version, "path": n.path}

@@ -1,10 +1,10 @@
-"""Process liveness checks shared by backends (ranks on this host)."""
+"""Facts about processes and hosts that backends share (liveness of ranks on this host)."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["pid_alive"]
+__all__ = ["host_id", "pid_alive"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -27,3 +27,14 @@ def pid_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return True
+
+
+def host_id() -> str:
+    """``nodename/boot-id``: equal for two processes exactly when they share a running kernel
+    (a pid means the same process to both, and they can map the same shared memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "noboot"
+    return f"{os.uname().nodename}/{boot}"

@@ -34,18 +34,20 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Backend, GroupInfo, Request
-from .._errors import CollectiveMismatchError, CollectiveTimeoutError
+from .._backend import P2P_OPS, Backend, GroupInfo, Request
+from .._errors import CollectiveMismatchError, CollectiveTimeoutError, collective_error, where
+from .._exit import on_uncaught
 from .._registry import register_backend
-from .._sigrec import (
-    P2P_WORDS,
+from .._signature import (
     SIG_WORDS,
+    Signature,
     describe_record,
     mismatch_text,
-    pack_signature,
+    record,
     record_nbytes,
+    same_p2p_call,
 )
-from .._types import ReduceOp, Signature
+from .._types import ReduceOp
 
 __all__ = ["MpiBackend", "mpi_world"]
 
@@ -121,17 +123,14 @@ def _install_exit_hooks(size: int) -> None:
     if _hooks_installed or size == 1:
         return
     _hooks_installed = True
-    previous = sys.excepthook
-
-    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        # Print the traceback first; then end the job, since the other ranks would otherwise
-        # wait for this one inside their next collective (until their timeout, or forever in
-        # MPI_Finalize).
-        previous(tp, value, tb)
-        _abort(f"uncaught {tp.__name__}: {value}")
-
-    sys.excepthook = excepthook
+    # After the traceback is printed, end the job: the other ranks would otherwise wait for
+    # this one inside their next collective (until their timeout, or forever in MPI_Finalize).
+    on_uncaught(_abort_uncaught, after_print=True)
     atexit.register(_abort_if_stuck)
+
+
+def _abort_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    _abort(f"uncaught {tp.__name__}: {value}")
 
 
 def _abort_if_stuck() -> None:
@@ -173,10 +172,10 @@ class MpiBackend(Backend):
         super().__init__(info)
         self.MPI = MPI
         self.comm = comm
-        self.n = info.size
-        self.me = info.rank
-        self.check = _flag("DPT_MPI_CHECK") and self.n > 1
-        self.p2p_check = self.n <= _p2p_check_max()
+        self.size = info.size
+        self.rank = info.rank  # in the group
+        self.check = _flag("DPT_MPI_CHECK") and self.size > 1
+        self.p2p_check = self.size <= _p2p_check_max()
         engine = os.environ.get("DPT_MPI_ENGINE", _DEFAULT_ENGINE).strip().lower()
         if engine not in ("blocking", "nonblocking"):
             raise ValueError(f"DPT_MPI_ENGINE must be 'blocking' or 'nonblocking', got {engine!r}")
@@ -184,7 +183,6 @@ class MpiBackend(Backend):
         self._watched: Request | None = None
         self._watchdog: threading.Thread | None = None
         self.stuck: list[Any] = []  # (requests, buffers) MPI still owns after a failure
-        self._sig_cache: dict[Any, np.ndarray[Any, Any]] = {}
         self._ops = {
             ReduceOp.SUM: MPI.SUM,
             ReduceOp.AVG: MPI.SUM,
@@ -197,23 +195,11 @@ class MpiBackend(Backend):
         self._mpi_lock: Any = contextlib.nullcontext() if multiple else _GLOBAL_LOCK
         _LIVE.add(self)
 
-    # ------------------------------------------------------------------ messages
-    def _where(self, op: str, seq: int) -> str:
-        return f"[rank {self.info.global_rank}] {op} #{seq} ({self.info.describe()})"
-
     # ------------------------------------------------------------------ engine
     def run(self, req: Request) -> None:
-        op = req.op
-        if op in ("send", "recv"):
-            self._p2p(req)
-            return
-        if self.n == 1:
-            if op in ("all_gather", "reduce_scatter", "all_to_all"):
-                req.out[...] = req.array.reshape(req.out.shape)
-            return
-        if self.check:
-            self._check(req)
-        getattr(self, "_" + op)(req)
+        if self.check and req.op not in P2P_OPS:
+            self._check(req)  # a send's record travels with it (see _do_send)
+        super().run(req)
 
     def _complete(self, reqs: list[Any], req: Request, what: str, keep: Any = None) -> None:
         """Poll ``reqs`` with Test until all completed; past the deadline, fail the group.
@@ -244,8 +230,8 @@ class MpiBackend(Backend):
         elif what == "signature" and self.p2p_check:
             # reqs = the n-1 record sends, then the n-1 record receives (peer order).
             missing = []
-            for i, r in enumerate(reqs[self.n - 1 :]):
-                peer = i if i < self.me else i + 1
+            for i, r in enumerate(reqs[self.size - 1 :]):
+                peer = i if i < self.rank else i + 1
                 with self._mpi_lock:
                     if not r.Test():
                         missing.append(self.info.ranks[peer])
@@ -266,33 +252,24 @@ class MpiBackend(Backend):
                 "a rank did not call it, or the transfer stalled (DPT_MPI_CHECK=0: without the "
                 "signature exchange MPI cannot say which)"
             )
-        return CollectiveTimeoutError(
-            f"{self._where(req.op, req.seq)}: timed out after {self.info.timeout:g} s; {detail}. "
-            "MPI cannot cancel the call: this group is unusable, and the job is aborted "
-            "(MPI_Abort) when this process exits",
-            rank=self.info.global_rank,
-            op=req.op,
-            seq=req.seq,
+        return self.info.error(
+            CollectiveTimeoutError,
+            req.op,
+            req.seq,
+            f"timed out after {self.info.timeout:g} s; {detail}. MPI cannot cancel the call: "
+            "this group is unusable, and the job is aborted (MPI_Abort) when this process exits",
         )
-
-    def _record(self, req: Request) -> np.ndarray[Any, Any]:
-        base = self._sig_cache.get(req.signature)
-        if base is None:
-            base = self._sig_cache[req.signature] = pack_signature(req)
-        rec = base.copy()
-        rec[0] = req.seq
-        return rec
 
     def _check(self, req: Request) -> None:
         """Exchange signature records; raise CollectiveMismatchError on every rank if they
         differ (before any data moved)."""
-        mine = self._record(req)
-        records = np.empty((self.n, SIG_WORDS), dtype=np.int64)
-        records[self.me] = mine
+        mine = record(req.signature, req.seq)
+        records = np.empty((self.size, SIG_WORDS), dtype=np.int64)
+        records[self.rank] = mine
         comm = self.comm
         with self._mpi_lock:
             if self.p2p_check:
-                peers = [p for p in range(self.n) if p != self.me]
+                peers = [p for p in range(self.size) if p != self.rank]
                 reqs = [comm.Isend(mine, dest=p, tag=_TAG_SIG) for p in peers]
                 reqs += [comm.Irecv(records[p], source=p, tag=_TAG_SIG) for p in peers]
             else:
@@ -300,12 +277,11 @@ class MpiBackend(Backend):
         self._complete(reqs, req, "signature", keep=(mine, records))
         text = mismatch_text(records, self.info.ranks)
         if text is not None:
-            raise CollectiveMismatchError(
-                f"{self._where(req.op, req.seq)}: ranks issued different collectives at the "
-                f"same point: {text} (no data was moved)",
-                rank=self.info.global_rank,
-                op=req.op,
-                seq=req.seq,
+            raise self.info.error(
+                CollectiveMismatchError,
+                req.op,
+                req.seq,
+                f"ranks issued different collectives at the same point: {text} (no data was moved)",
             )
 
     def _op(self, req: Request) -> Any:
@@ -314,10 +290,10 @@ class MpiBackend(Backend):
 
     def _average(self, req: Request, arr: np.ndarray[Any, Any]) -> None:
         if req.reduce_op is ReduceOp.AVG:
-            np.divide(arr, self.n, out=arr, casting="unsafe")
+            np.divide(arr, self.size, out=arr, casting="unsafe")
 
     # ------------------------------------------------------------------ collectives
-    def _go(self, req: Request, keep: Any, blocking: Any, nonblocking: Any) -> None:
+    def _transfer(self, req: Request, keep: Any, blocking: Any, nonblocking: Any) -> None:
         """Move the data: a blocking MPI call under the watchdog (``blocking`` engine), or
         the non-blocking one polled under the deadline."""
         if self.blocking:
@@ -332,9 +308,9 @@ class MpiBackend(Backend):
             r = nonblocking(self.comm)
         self._complete([r], req, "data", keep=keep)
 
-    def _all_reduce(self, req: Request) -> None:
+    def _do_all_reduce(self, req: Request) -> None:
         arr, op, IN_PLACE = req.array, self._op(req), self.MPI.IN_PLACE
-        self._go(
+        self._transfer(
             req,
             arr,
             lambda c: c.Allreduce(IN_PLACE, arr, op=op),
@@ -342,32 +318,34 @@ class MpiBackend(Backend):
         )
         self._average(req, arr)
 
-    def _broadcast(self, req: Request) -> None:
+    def _do_broadcast(self, req: Request) -> None:
         buf, root = _bytes(req.array), req.root
-        self._go(req, buf, lambda c: c.Bcast(buf, root=root), lambda c: c.Ibcast(buf, root=root))
+        self._transfer(
+            req, buf, lambda c: c.Bcast(buf, root=root), lambda c: c.Ibcast(buf, root=root)
+        )
 
-    def _reduce(self, req: Request) -> None:
+    def _do_reduce(self, req: Request) -> None:
         arr, op, root = req.array, self._op(req), req.root
-        if self.me == root:
+        if self.rank == root:
             src, dst = self.MPI.IN_PLACE, arr
         else:
             src, dst = arr, None
-        self._go(
+        self._transfer(
             req,
             arr,
             lambda c: c.Reduce(src, dst, op=op, root=root),
             lambda c: c.Ireduce(src, dst, op=op, root=root),
         )
-        if self.me == root:
+        if self.rank == root:
             self._average(req, arr)
 
-    def _all_gather(self, req: Request) -> None:
+    def _do_all_gather(self, req: Request) -> None:
         a, o = _bytes(req.array), _bytes(req.out)
-        self._go(req, (a, o), lambda c: c.Allgather(a, o), lambda c: c.Iallgather(a, o))
+        self._transfer(req, (a, o), lambda c: c.Allgather(a, o), lambda c: c.Iallgather(a, o))
 
-    def _reduce_scatter(self, req: Request) -> None:
+    def _do_reduce_scatter(self, req: Request) -> None:
         a, o, op = req.array, req.out, self._op(req)
-        self._go(
+        self._transfer(
             req,
             (a, o),
             lambda c: c.Reduce_scatter_block(a, o, op=op),
@@ -375,12 +353,12 @@ class MpiBackend(Backend):
         )
         self._average(req, o)
 
-    def _all_to_all(self, req: Request) -> None:
+    def _do_all_to_all(self, req: Request) -> None:
         a, o = _bytes(req.array), _bytes(req.out)
-        self._go(req, (a, o), lambda c: c.Alltoall(a, o), lambda c: c.Ialltoall(a, o))
+        self._transfer(req, (a, o), lambda c: c.Alltoall(a, o), lambda c: c.Ialltoall(a, o))
 
-    def _barrier(self, req: Request) -> None:
-        self._go(req, None, lambda c: c.Barrier(), lambda c: c.Ibarrier())
+    def _do_barrier(self, req: Request) -> None:
+        self._transfer(req, None, lambda c: c.Barrier(), lambda c: c.Ibarrier())
 
     # ------------------------------------------------------------------ watchdog
     def _watch(self, req: Request) -> None:
@@ -401,7 +379,7 @@ class MpiBackend(Backend):
             req = self._watched
             if req is not None and time.monotonic() > req.deadline and self._watched is req:
                 _abort(
-                    f"{self._where(req.op, req.seq)}: the MPI call did not finish within the "
+                    f"{self.info.where(req.op, req.seq)}: the MPI call did not finish within the "
                     f"group's timeout of {self.info.timeout:g} s (every rank had arrived; a "
                     "peer is stuck or its host is unreachable)"
                 )
@@ -409,43 +387,43 @@ class MpiBackend(Backend):
             time.sleep(0.05)
 
     # ------------------------------------------------------------------ point to point
-    def _p2p(self, req: Request) -> None:
-        """A send goes as its signature record, then its payload; the receiver checks the
-        record before posting the payload's receive (a mismatch drains the payload into a
-        scratch buffer, so the sender is not left waiting, and fails the receive)."""
+    def _do_send(self, req: Request) -> None:
+        """A send goes as its signature record, then its payload (see :meth:`_do_recv`)."""
         comm, peer = self.comm, req.peer
-        data = _bytes(req.array)
-        if req.op == "send":
-            rec = self._record(req)
-            with self._mpi_lock:
-                reqs = [
-                    comm.Isend(rec, dest=peer, tag=_TAG_HDR),
-                    comm.Isend(data, dest=peer, tag=_TAG_DATA),
-                ]
-            self._complete(reqs, req, "data", keep=(rec, req.array))
-            return
-        mine = self._record(req)
+        rec = record(req.signature, req.seq)
+        with self._mpi_lock:
+            reqs = [
+                comm.Isend(rec, dest=peer, tag=_TAG_HDR),
+                comm.Isend(_bytes(req.array), dest=peer, tag=_TAG_DATA),
+            ]
+        self._complete(reqs, req, "data", keep=(rec, req.array))
+
+    def _do_recv(self, req: Request) -> None:
+        """The receiver checks the sender's record before posting the payload's receive (a
+        mismatch drains the payload into a scratch buffer, so the sender is not left waiting,
+        and fails the receive)."""
+        comm, peer = self.comm, req.peer
+        mine = record(req.signature, req.seq)
         theirs = np.empty(SIG_WORDS, dtype=np.int64)
         with self._mpi_lock:
             r = comm.Irecv(theirs, source=peer, tag=_TAG_HDR)
         self._complete([r], req, "data", keep=theirs)
-        if not np.array_equal(theirs[P2P_WORDS], mine[P2P_WORDS]):
+        if not same_p2p_call(theirs, mine):
             nbytes = record_nbytes(theirs)
             if nbytes >= 0:
                 scratch = np.empty(nbytes, dtype=np.uint8)
                 with self._mpi_lock:
                     r = comm.Irecv(scratch, source=peer, tag=_TAG_DATA)
                 self._complete([r], req, "data", keep=scratch)
-            raise CollectiveMismatchError(
-                f"{self._where(req.op, req.seq)}: rank {self.info.ranks[peer]} sent "
-                f"{describe_record(theirs)} but this rank expects {describe_record(mine)} "
-                "(nothing was written)",
-                rank=self.info.global_rank,
-                op=req.op,
-                seq=req.seq,
+            raise self.info.error(
+                CollectiveMismatchError,
+                req.op,
+                req.seq,
+                f"rank {self.info.ranks[peer]} sent {describe_record(theirs)} but this rank "
+                f"expects {describe_record(mine)} (nothing was written)",
             )
         with self._mpi_lock:
-            r = comm.Irecv(data, source=peer, tag=_TAG_DATA)
+            r = comm.Irecv(_bytes(req.array), source=peer, tag=_TAG_DATA)
         self._complete([r], req, "data", keep=req.array)
 
     # ------------------------------------------------------------------ groups, lifecycle
@@ -454,18 +432,21 @@ class MpiBackend(Backend):
         (so a rank that never calls ``new_group`` is a clear error, not a hang), then
         ``Comm.Split`` (members: color 0, ordered by their rank in the new group)."""
         MPI = self.MPI
-        if not self.executor.drain(self.info.timeout):
-            raise CollectiveTimeoutError(
-                f"[rank {self.info.global_rank}] new_group: this group's earlier calls did not "
-                f"finish within {self.info.timeout:g} s"
+        me = self.info.global_rank
+        if not self.drain(self.info.timeout):
+            raise collective_error(
+                CollectiveTimeoutError,
+                f"this group's earlier calls did not finish within {self.info.timeout:g} s",
+                rank=me,
+                op="new_group",
             )
-        self.check_usable("new_group", 0)
+        self.check_usable("new_group", None)
         # Every rank must agree on the members: compare a digest, under the timeout.
         digest = np.array(
             [zlib.crc32(repr(info.ranks if info else None).encode()), 1 if info else 0],
             dtype=np.int64,
         )
-        seen = np.empty((self.n, 2), dtype=np.int64)
+        seen = np.empty((self.size, 2), dtype=np.int64)
         req = Request("new_group", 0, Signature("new_group", None, ()))
         req.deadline = time.monotonic() + self.info.timeout
         with self._mpi_lock:
@@ -475,12 +456,12 @@ class MpiBackend(Backend):
         except CollectiveTimeoutError as exc:
             self.abort(exc)
             raise
-        members = [int(seen[i, 1]) for i in range(self.n)]
-        member_digests = {int(seen[i, 0]) for i in range(self.n) if members[i]}
+        members = [int(seen[i, 1]) for i in range(self.size)]
+        member_digests = {int(seen[i, 0]) for i in range(self.size) if members[i]}
         if len(member_digests) > 1:
             raise ValueError(
-                f"[rank {self.info.global_rank}] new_group: the ranks disagree on the new "
-                "group's members (every rank must pass the same ranks, in the same order)"
+                f"{where(me, 'new_group')}: the ranks disagree on the new group's members "
+                "(every rank must pass the same ranks, in the same order)"
             )
         color = 0 if info is not None else MPI.UNDEFINED
         with self._mpi_lock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._backend import Backend, GroupInfo, Request
+from .._backend import Backend, GroupInfo
 from .._registry import register_backend
 
 __all__ = ["SerialBackend"]
@@ -11,7 +11,8 @@ __all__ = ["SerialBackend"]
 class SerialBackend(Backend):
     """One rank: reductions, broadcasts and gathers return the input; barrier does nothing.
 
-    Lets the same training script run with and without distribution, never branching.
+    Lets the same training script run with and without distribution, never branching. It
+    needs no engine of its own: :meth:`Backend.run` runs every request of a group of one.
     """
 
     name = "serial"
@@ -24,14 +25,6 @@ class SerialBackend(Backend):
                 "(one host) or 'nccl' (GPUs)"
             )
         super().__init__(info)
-
-    def run(self, req: Request) -> None:
-        op = req.op
-        if op in ("all_gather", "reduce_scatter", "all_to_all"):
-            # The only block of the output is this rank's own input.
-            req.out[...] = req.array.reshape(req.out.shape)
-        # all_reduce/broadcast/reduce leave the array as it is (AVG over one rank is itself);
-        # barrier has nobody to wait for.
 
 
 register_backend(

@@ -31,6 +31,7 @@ import pytest
 
 from collectives._errors import CollectiveError
 from collectives.backends import _nccl_lib as L
+from collectives.backends import _nccl_load
 from tests.collectives.harness import RankPool
 from tests.collectives.nccl_threads import RankThreads, ThreadPoolError
 from tests.fakes import fake_cupy, fake_nccl
@@ -73,7 +74,7 @@ def fake() -> Iterator[fake_nccl.FakeNccl]:
         yield nccl
     finally:
         _ALL_POOLS.close()
-        L.install(previous)
+        _nccl_load.install(previous)
         if not already:
             for k, v in saved_modules.items():
                 if v is None:
@@ -205,7 +206,7 @@ def test_split_needs_2_18() -> None:
 
 def test_candidate_paths_order(tmp_path: Path) -> None:
     (tmp_path / "libnccl.so.2").write_bytes(b"")
-    paths = L.candidate_paths({"NCCL_LIB_PATH": str(tmp_path)})
+    paths = _nccl_load.candidate_paths({"NCCL_LIB_PATH": str(tmp_path)})
     assert paths[0] == (str(tmp_path / "libnccl.so.2"), "NCCL_LIB_PATH")
     assert paths[-1] == ("libnccl.so.2", "system loader path")
     wheel = [p for p, origin in paths if origin == "nvidia-nccl wheel"]
@@ -216,7 +217,7 @@ def test_load_failure_names_every_path_and_the_extra(tmp_path: Path) -> None:
     bogus = tmp_path / "libnccl.so.2"
     bogus.write_bytes(b"not a library")
     with pytest.raises(L.NcclUnavailableError) as info:
-        L.open_library(
+        _nccl_load.open_library(
             [
                 (str(tmp_path / "missing.so"), "NCCL_LIB_PATH"),
                 (str(bogus), "nvidia-nccl wheel"),
@@ -231,10 +232,10 @@ def test_load_failure_names_every_path_and_the_extra(tmp_path: Path) -> None:
 
 # ============================================================================ the real library
 def _real_lib() -> L.Nccl:
-    wheel = [(p, o) for p, o in L.candidate_paths({}) if o == "nvidia-nccl wheel"]
+    wheel = [(p, o) for p, o in _nccl_load.candidate_paths({}) if o == "nvidia-nccl wheel"]
     if not any(os.path.exists(p) for p, _ in wheel):
         pytest.skip("nvidia-nccl-cu12/cu13 wheel not installed (pip install nvidia-nccl-cu12)")
-    return L.open_library(wheel)
+    return _nccl_load.open_library(wheel)
 
 
 def test_real_library_loads_and_reports_its_version() -> None:
@@ -629,11 +630,11 @@ def test_dead_local_peer_fails_waiting_ranks_fast(
 ) -> None:
     """A rank whose process is gone (here: declared dead; ranks are threads of one process)
     makes a rank waiting for it fail within seconds, naming its pid."""
-    from collectives.backends import nccl
+    from collectives.backends import _nccl_watch
 
     pool = launch(fresh, 2, timeout=LONG)
     pool.run("bodies:ping", {"seed": 0})
-    monkeypatch.setattr(nccl, "pid_alive", lambda pid: pid != os.getpid())
+    monkeypatch.setattr(_nccl_watch, "pid_alive", lambda pid: pid != os.getpid())
     got = results(pool.call("bodies:skip_collective", {"sleep": 1.0, "skipper": 1}))
     res = got[0]
     assert res["type"] == "PeerFailureError", res
@@ -740,7 +741,7 @@ def _gpu_skip_reason(n: int) -> str | None:
 
     if str(getattr(cupy, "__version__", "")).endswith("fake"):
         return "CuPy is the fake (TENSORLIB_FAKE_CUPY=1): real NCCL needs a real GPU"
-    why = L.unavailable_reason()
+    why = _nccl_load.unavailable_reason()
     if why is not None:
         return why
     if n == 1:
@@ -748,10 +749,10 @@ def _gpu_skip_reason(n: int) -> str | None:
     gpus = int(cupy.cuda.runtime.getDeviceCount())
     if gpus >= n:
         return None
-    if L.load().version < L.version_code(2, 30, 0):
+    if _nccl_load.load().version < L.version_code(2, 30, 0):
         return (
             f"{n} ranks on {gpus} GPU(s) needs NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 "
-            f"(NCCL {L.load().version_string} refuses it: 'Duplicate GPU detected')"
+            f"(NCCL {_nccl_load.load().version_string} refuses it: 'Duplicate GPU detected')"
         )
     return None
 

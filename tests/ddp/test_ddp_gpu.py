@@ -133,7 +133,8 @@ def _nccl_or_skip(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if why is not None:
         pytest.skip(f"the nccl backend is not usable here: {why}")
     if world > tl.cuda_device_count():
-        from collectives.backends._nccl_lib import load, version_code
+        from collectives.backends.nccl import load_library as load
+        from collectives.backends.nccl import version_code
 
         if load().version < version_code(2, 30, 0):
             pytest.skip(

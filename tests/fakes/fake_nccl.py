@@ -4,7 +4,7 @@
 (``collectives/backends/_nccl_lib.py``): integer results, pointers as ints, out-parameters as
 ctypes instances it writes into (where ctypes would pass a pointer), ``ncclUniqueId`` and
 ``ncclConfig_t`` as the binding's structures. Wrap it with ``Nccl(FakeNccl(), version, "fake")``
-and install it with ``_nccl_lib.install`` to run the nccl backend without a GPU.
+and install it with ``_nccl_load.install`` to run the nccl backend without a GPU.
 
 What it models, so that the backend's mistakes show:
 
@@ -693,8 +693,8 @@ def _current_device() -> int:
 
 def install(version: int = 23203) -> tuple[FakeNccl, Any]:
     """Put a fresh fake in place of the process's NCCL; returns it and the replaced one."""
-    from collectives.backends import _nccl_lib
+    from collectives.backends import _nccl_lib, _nccl_load
 
     fake = FakeNccl(version)
-    previous = _nccl_lib.install(_nccl_lib.Nccl(fake, version, "fake libnccl (tests/fakes)"))
+    previous = _nccl_load.install(_nccl_lib.Nccl(fake, version, "fake libnccl (tests/fakes)"))
     return fake, previous

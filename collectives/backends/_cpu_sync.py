@@ -1,0 +1,255 @@
+"""The cpu backend's lockstep protocol: posts, waits, signature checks and failure detection.
+
+Synchronization is one monotonic counter per rank (header word ``W_CTR``). A *post* increments
+it; :meth:`Lockstep.wait_all` waits until every peer's counter reached a target. Every
+collective is a fixed sequence of (post, wait_all) phases that depends only on its signature,
+so all ranks stay in lockstep. Waiting spins briefly, then polls while yielding the core, then
+sleeps on a futex in the peer's header (a post wakes sleepers), so ranks that outnumber cores
+do not burn the CPU.
+
+The first post of a collective (:meth:`Lockstep.begin`) carries its signature record and data
+location; after the first wait every rank compares all signatures, so mismatched calls fail on
+every rank before any data moves. A rank that times out, sees a mismatch or raises sets its
+abort flag with a reason; waiting peers check abort flags and whether the peers they wait for
+are still alive, so a dead or failed rank makes every other rank fail within a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from .._backend import GroupInfo, Request
+from .._errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
+from .._signature import SIG_BYTES, mismatch_text, record_bytes
+from ._cpu_layout import (
+    ABORT_CLOSED,
+    ABORT_FAILED,
+    ABORT_TIMEOUT,
+    H_SIG,
+    LOCATION,
+    NO_LOCATION,
+    REASON_BYTES,
+    SIG_SLOT,
+    U32_MASK,
+    W_ABORT,
+    W_CTR,
+    W_PID,
+    W_SLEEP,
+    SegmentView,
+    reached,
+)
+from ._proc import pid_alive
+from ._shm import Futex
+
+__all__ = ["Lockstep"]
+
+_COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
+_NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
+
+
+class Lockstep:
+    """Posts and waits over the segments of one group (see the module docstring).
+
+    Args:
+        info: the group.
+        views: every rank's segment, in group-rank order (this rank's own included).
+    """
+
+    def __init__(self, info: GroupInfo, views: list[SegmentView]) -> None:
+        self.info = info
+        self.size = info.size
+        self.rank = info.rank  # in the group
+        self.views = views
+        self.mine = views[info.rank]
+        self.futex = Futex()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        # Spin (holding a core) only while ranks do not outnumber cores; then poll while
+        # yielding the core; then sleep on a futex.
+        self.spin = 20e-6 if self.size <= cores else 2e-6
+        self.yield_time = 2e-3 if self.size <= cores else 200e-6
+        self.slice = 0.005
+        self._posts = 0
+
+    # ------------------------------------------------------------------ posts
+    def post(self, sig: bytes | None = None) -> int:
+        """Publish this rank's next post (with a signature on a collective's first post)."""
+        self._posts += 1
+        p = self._posts
+        if sig is not None:
+            off = H_SIG + (p & 1) * SIG_SLOT
+            self.mine.seg.buf[off : off + len(sig)] = sig
+        self.mine.hdr[W_CTR] = p & U32_MASK
+        self.wake_if_sleeping(self.mine.ctr_addr)
+        return p
+
+    def wake_if_sleeping(self, address: int) -> None:
+        """Wake whoever sleeps on ``address`` (a word of this rank's), if any peer sleeps."""
+        for q, peer in enumerate(self.views):
+            if q != self.rank and peer.hdr[W_SLEEP]:
+                self.futex.wake(address)
+                return
+
+    def begin(self, req: Request, loc: tuple[int, int, int, int] = NO_LOCATION) -> int:
+        """First post of a collective: signature out, wait for all, compare; returns the post."""
+        sig = record_bytes(req.signature, req.seq)
+        post = self.post(sig + (_NO_LOCATION_BYTES if loc is NO_LOCATION else LOCATION.pack(*loc)))
+        self.wait_all(post, req)
+        core = sig[:_COMPARED]
+        off = H_SIG + (post & 1) * SIG_SLOT
+        end = off + _COMPARED
+        for q, peer in enumerate(self.views):
+            if q != self.rank and peer.seg.buf[off:end] != core:
+                self._mismatch(req, post, sig)
+        # A rank arriving after its peers gave up (timeout) finds their posts: without this it
+        # would "complete" a collective that failed everywhere else (signatures first, so a
+        # mismatch is still reported as one on every rank).
+        self.check_aborts(req)
+        return post
+
+    def phase(self, req: Request) -> None:
+        """One more (post, wait for all) step of the current collective."""
+        self.wait_all(self.post(), req)
+
+    def locations(self, post: int) -> list[tuple[int, int, int, int]]:
+        """Every rank's data location from its signature of ``post``."""
+        return [view.location(post) for view in self.views]
+
+    def _mismatch(self, req: Request, post: int, mine: bytes) -> None:
+        raw = [mine if q == self.rank else v.signature(post) for q, v in enumerate(self.views)]
+        records = np.frombuffer(b"".join(raw), dtype=np.int64).reshape(self.size, -1)
+        text = mismatch_text(records, self.info.ranks) or "records differ"
+        raise self.info.error(
+            CollectiveMismatchError,
+            req.op,
+            req.seq,
+            f"ranks issued different collectives at the same point: {text}",
+        )
+
+    # ------------------------------------------------------------------ waits
+    def wait_all(self, target: int, req: Request) -> None:
+        """Wait until every peer's post counter reached ``target``."""
+        for q, peer in enumerate(self.views):
+            if q != self.rank and not reached(peer.hdr[W_CTR], target):
+                self.wait_word(peer.hdr, W_CTR, peer.ctr_addr, target, req, q)
+
+    def wait_word(
+        self, words: memoryview, idx: int, address: int, target: int, req: Request, q: int
+    ) -> None:
+        """Wait until counter ``words[idx]`` of rank ``q`` (at ``address``) reached ``target``,
+        failing on an abort, a dead or departed peer, or the request's deadline."""
+        # 1. Spin briefly: on an idle core a peer's post usually lands within microseconds.
+        clock = time.perf_counter
+        now = clock()
+        spin_until = now + self.spin
+        yield_until = now + self.yield_time
+        while clock() < spin_until:
+            if reached(words[idx], target):
+                return
+        # 2. Keep polling but give the core away each time (a peer may share this core);
+        #    os.sched_yield also releases the GIL for the caller's other threads.
+        sched_yield = os.sched_yield
+        while clock() < yield_until:
+            if reached(words[idx], target):
+                return
+            sched_yield()
+        # 3. Sleep on the peer's word; a post wakes sleepers. Time slices bound how late an
+        #    abort, a dead peer or the deadline is noticed.
+        mine = self.mine.hdr
+        next_check = time.monotonic() + 0.2
+        while True:
+            mine[W_SLEEP] = 1
+            value = words[idx]
+            if reached(value, target):
+                mine[W_SLEEP] = 0
+                return
+            self.futex.wait(address + 4 * idx, value, self.slice)
+            mine[W_SLEEP] = 0
+            if reached(words[idx], target):
+                return
+            self.check_aborts(req)
+            if self.views[q].hdr[W_ABORT] == ABORT_CLOSED and not reached(words[idx], target):
+                raise self.info.error(
+                    PeerFailureError,
+                    req.op,
+                    req.seq,
+                    f"rank {self.info.ranks[q]} left the group (destroy_process_group) before "
+                    "reaching this collective",
+                )
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.2
+                self.check_alive(req)
+            if now >= req.deadline:
+                self._timeout(req, target, words is self.views[q].hdr, q)
+
+    # ------------------------------------------------------------------ failures
+    def check_aborts(self, req: Request) -> None:
+        """Raise if a peer gave up (timed out or failed), with the reason it gave."""
+        for q, peer in enumerate(self.views):
+            kind = peer.hdr[W_ABORT] if q != self.rank else 0
+            if kind and kind != ABORT_CLOSED:
+                rank = self.info.ranks[q]
+                if kind == ABORT_TIMEOUT:
+                    # A peer that gave up first is no failure of that peer: every rank waiting
+                    # on the missing ranks must see the timeout error it documents.
+                    raise self.info.error(
+                        CollectiveTimeoutError,
+                        req.op,
+                        req.seq,
+                        f"rank {rank} timed out: {peer.abort_reason()}",
+                    )
+                raise self.info.error(
+                    PeerFailureError, req.op, req.seq, f"rank {rank} failed: {peer.abort_reason()}"
+                )
+
+    def check_alive(self, req: Request) -> None:
+        """Raise if a peer's process is gone."""
+        for q, peer in enumerate(self.views):
+            if q != self.rank and not pid_alive(peer.hdr[W_PID]):
+                raise self.info.error(
+                    PeerFailureError,
+                    req.op,
+                    req.seq,
+                    f"rank {self.info.ranks[q]} (pid {peer.hdr[W_PID]}) is gone: its process "
+                    "exited or was killed",
+                )
+
+    def _timeout(self, req: Request, target: int, collective: bool, q: int) -> None:
+        if collective:
+            missing = [
+                self.info.ranks[r]
+                for r, peer in enumerate(self.views)
+                if r != self.rank and not reached(peer.hdr[W_CTR], target)
+            ]
+            detail = f"ranks {missing} never arrived"
+        else:
+            detail = f"rank {self.info.ranks[q]} never matched it"
+        raise self.info.error(
+            CollectiveTimeoutError,
+            req.op,
+            req.seq,
+            f"timed out after {self.info.timeout:g} s; {detail} (all processes are alive: is a "
+            "rank stuck, or skipping this collective?)",
+        )
+
+    def set_abort(self, reason: str, kind: int = ABORT_FAILED) -> None:
+        """Tell every peer that this rank gave up, and why (they fail instead of waiting)."""
+        data = reason.encode("utf-8", "replace")[: REASON_BYTES - 1] + b"\0"
+        mine = self.mine
+        mine.reason[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        mine.hdr[W_ABORT] = kind
+        # Wake anyone sleeping on any of this rank's words so they notice now.
+        self.futex.wake(mine.ctr_addr)
+        for d in range(self.size):
+            self.futex.wake(mine.sent_addr + 4 * d)
+            self.futex.wake(mine.acked_addr + 4 * d)
+
+
+def abort_kind(reason: Any) -> int:
+    """The abort flag for a failure: timeouts are told apart (see :data:`ABORT_TIMEOUT`)."""
+    return ABORT_TIMEOUT if isinstance(reason, CollectiveTimeoutError) else ABORT_FAILED
