@@ -175,9 +175,9 @@ def versions() -> dict[str, Any]:
     except Exception as exc:  # CuPy built without NCCL
         out["nccl_cupy"] = f"unavailable ({type(exc).__name__})"
     try:
-        from collectives.backends import _nccl_lib
+        from collectives.backends.nccl import load_library
 
-        lib = _nccl_lib.load()
+        lib = load_library()
         out["nccl_ours"] = lib.version_string
         out["nccl_ours_path"] = lib.path
     except Exception as exc:  # no NCCL wheel: the nccl step reports it
@@ -195,11 +195,11 @@ def nccl_world_sizes(info: dict[str, Any]) -> tuple[list[int], str]:
     """World sizes for the NCCL step, and why several ranks do or do not run."""
     import cupy as cp
 
-    from collectives.backends._nccl_lib import load, version_code
+    from collectives.backends.nccl import load_library, version_code
 
     gpus = int(cp.cuda.runtime.getDeviceCount())
     try:
-        version = load().version
+        version = load_library().version
     except Exception as exc:
         return [], f"NCCL unavailable: {exc}"
     if gpus >= 2:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from collectives.run import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ["ours", "ours-nocheck", "raw", "cupy", "torch"]
@@ -72,7 +73,8 @@ def measure(out_dir: Path, max_bytes: int, impls: list[str]) -> int:
     import numpy as np
 
     import collectives as C
-    from collectives.backends import _nccl_lib as L
+    from collectives import ReduceOp
+    from collectives.backends.nccl import binding
 
     group = C.get_default_group()
     rank, n = group.rank, group.size
@@ -134,12 +136,13 @@ def measure(out_dir: Path, max_bytes: int, impls: list[str]) -> int:
         result["impls"]["ours-nocheck"] = sweep("ours-nocheck", ours)
         backend.check = True
     if "raw" in impls:
+        f32, add = binding.FLOAT32, binding.nccl_op(ReduceOp.SUM)
 
         def raw(x: Any) -> None:
             p = int(x.data.ptr)
-            rc = lib.all_reduce(p, p, x.size, 7, 0, backend.comm, stream.ptr)
-            if rc == L.IN_PROGRESS:
-                while lib.comm_get_async_error(backend.comm) == L.IN_PROGRESS:
+            rc = lib.all_reduce(p, p, x.size, f32, add, backend.comm, stream.ptr)
+            if rc == binding.IN_PROGRESS:
+                while lib.comm_get_async_error(backend.comm) == binding.IN_PROGRESS:
                     time.sleep(0.0001)
 
         result["impls"]["raw"] = sweep("raw", raw)
@@ -184,7 +187,7 @@ def _cupy_sweep(group: Any, sweep: Any, result: dict[str, Any], gpus: int) -> di
     try:
         from cupy.cuda import nccl as cn
 
-        from collectives.backends._nccl_lib import version_tuple
+        from collectives.backends.nccl import version_tuple
 
         code = int(cn.get_version())
         result["nccl_cupy"] = ".".join(map(str, version_tuple(code)))
@@ -271,18 +274,12 @@ def _torch_sweep(group: Any, sizes: list[int], result: dict[str, Any], gpus: int
 
 
 # ---------------------------------------------------------------------------- the parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(
     world: int, out_dir: Path, max_bytes: int, impls: list[str], timeout: float
 ) -> tuple[int, dict[str, Any] | None, str]:
     """Start ``world`` ranks; return (exit status, rank 0's results, output tail)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ)
