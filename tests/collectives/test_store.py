@@ -1,12 +1,14 @@
-"""Tests for the rendezvous TCP key-value store (collectives/_store.py).
+"""Tests for the rendezvous TCP key-value store (the collectives/_store package).
 
 Every server binds a free port (port 0) on loopback. Raw-socket tests speak the wire format
-documented in the module docstring directly, to check that malformed input only ever costs the
-sender its own connection.
+documented in collectives/_store/_wire.py directly (as bytes written out here, not the
+package's constants), to check that malformed input only ever costs the sender its own
+connection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import math
@@ -33,6 +35,8 @@ from collectives._store import (
     is_local_address,
     is_loopback,
 )
+from collectives._store import _server as store_server
+from collectives.run import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,12 +57,6 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[TCPStore]:
 def client(server: TCPStore, **kwargs: object) -> TCPStore:
     kwargs.setdefault("timeout", 10.0)
     return TCPStore(LOOPBACK, server.port, is_server=False, **kwargs)  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 def later(delay: float, fn: Callable[..., object], *args: object) -> None:
@@ -334,7 +332,7 @@ def test_many_concurrent_clients(server: TCPStore) -> None:
 
 def test_client_retries_until_server_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_store.SECRET_ENV_VAR, raising=False)
-    port = free_port()
+    port = free_port(LOOPBACK)
     servers: list[TCPStore] = []
     timer = threading.Timer(
         0.5, lambda: servers.append(TCPStore(LOOPBACK, port, is_server=True, timeout=10))
@@ -354,7 +352,7 @@ def test_client_retries_until_server_starts(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_unreachable_store_fails_within_connect_timeout() -> None:
-    port = free_port()  # nothing listens there
+    port = free_port(LOOPBACK)  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError) as info:
         TCPStore(LOOPBACK, port, is_server=False, timeout=60, connect_timeout=0.5)
@@ -365,24 +363,37 @@ def test_unreachable_store_fails_within_connect_timeout() -> None:
     assert isinstance(info.value, StoreError)
 
 
-def test_not_a_store_is_reported() -> None:
-    # Something else listens on the port and greets with something that is not our hello.
+@contextlib.contextmanager
+def scripted_server(script: Callable[[socket.socket], None]) -> Iterator[int]:
+    """Serve one connection on loopback with ``script(conn)``; yield the port."""
     with socket.socket() as listener:
         listener.bind((LOOPBACK, 0))
         listener.listen()
-        port = listener.getsockname()[1]
 
         def serve() -> None:
             conn, _ = listener.accept()
             with conn:
-                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
-                time.sleep(0.05)
+                script(conn)
 
         t = threading.Thread(target=serve)
         t.start()
-        with pytest.raises(StoreError, match="not a dpt store"):
-            TCPStore(LOOPBACK, port, is_server=False, connect_timeout=5)
-        t.join()
+        try:
+            yield listener.getsockname()[1]
+        finally:
+            t.join()
+
+
+def test_not_a_store_is_reported() -> None:
+    # Something else listens on the port and greets with something that is not our hello.
+    def greet_as_ssh(conn: socket.socket) -> None:
+        conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+        time.sleep(0.05)
+
+    with (
+        scripted_server(greet_as_ssh) as port,
+        pytest.raises(StoreError, match="not a dpt store"),
+    ):
+        TCPStore(LOOPBACK, port, is_server=False, connect_timeout=5)
 
 
 def test_port_already_taken_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -499,6 +510,33 @@ def test_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             assert c.get("k") == b"v"
 
 
+REFUSALS: dict[str, tuple[int, int, str, str]] = {
+    # name: (greeting flags, error kind, server's message, what the client's error says)
+    "refused-secret": (1, 2, "no", "wrong or missing secret (DPT_STORE_SECRET)"),
+    "refused-version": (0, 2, "protocol version 1 not supported", "version 1 not supported"),
+    "malformed-naming-secret": (1, 1, "secret field truncated", ": secret field truncated"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_handshake_refusal_is_classified_by_its_kind(name: str) -> None:
+    # A scripted server refuses the HELLO: the client reads the error kind, not the message.
+    flags, kind, message, expected = REFUSALS[name]
+
+    def refuse(conn: socket.socket) -> None:
+        greeting = b"DPTS" + bytes([_store.PROTOCOL_VERSION, flags]) + b"\0" * 32
+        conn.sendall(blob(greeting))
+        conn.recv(4096)  # the client's HELLO
+        conn.sendall(blob(b"\x02" + bytes([kind]) + blob(message.encode())))
+
+    with scripted_server(refuse) as port, pytest.raises(StoreAuthError) as info:
+        TCPStore(LOOPBACK, port, is_server=False, secret=b"s3cret", connect_timeout=5)
+    msg = str(info.value)
+    assert "refused the connection" in msg and expected in msg
+    if name != "refused-secret":
+        assert "wrong or missing secret" not in msg
+
+
 # ----------------------------------------------------------------------------- malformed frames
 
 
@@ -609,8 +647,8 @@ def test_silent_peer_dropped_after_handshake_timeout(
     server: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A connection that never answers the hello cannot hold a slot forever. The server reads
-    # the module constant when a peer connects, so patching it affects only new peers.
-    monkeypatch.setattr(_store, "_HANDSHAKE_TIMEOUT", 0.2)
+    # its module's constant when a peer connects, so patching it affects only new peers.
+    monkeypatch.setattr(store_server, "_HANDSHAKE_TIMEOUT", 0.2)
     with RawPeer(server.port) as raw:
         reply = raw.recv_frame()
         assert reply[0] == 0x02 and b"handshake not completed" in reply
@@ -656,8 +694,11 @@ def test_pipelined_requests_are_answered_in_order(server: TCPStore) -> None:
 
 
 SERVER_SCRIPT = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("dpt_store", sys.argv[1])
+import importlib.util, os, sys, time
+package = sys.argv[1]
+spec = importlib.util.spec_from_file_location(
+    "dpt_store", os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+)
 mod = importlib.util.module_from_spec(spec)
 sys.modules["dpt_store"] = mod
 spec.loader.exec_module(mod)
@@ -670,9 +711,9 @@ time.sleep(60)
 @pytest.mark.timeout(30)
 def test_server_process_dying_fails_waiting_client_fast() -> None:
     env = {k: v for k, v in os.environ.items() if k != _store.SECRET_ENV_VAR}
-    # Load the module by path: the subprocess needs nothing else of the package.
+    # Load the store package by path: the subprocess needs nothing else of collectives.
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER_SCRIPT, str(Path(_store.__file__))],
+        [sys.executable, "-c", SERVER_SCRIPT, str(Path(_store.__file__).parent)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
