@@ -168,28 +168,6 @@ def plot(path: str, results: dict[str, Any], args: argparse.Namespace, n: int) -
     plt.close(fig)
 
 
-def _json_doc(
-    results: dict[str, Any],
-    skipped: dict[str, str],
-    ours: str,
-    args: argparse.Namespace,
-    n: int,
-    notes: list[str],
-) -> dict[str, Any]:
-    """The JSON report (schema ``SCHEMA``)."""
-    env = _env_info(args, n)
-    env["backend"] = ours
-    return {
-        "schema": SCHEMA,
-        "config": {k: getattr(args, k) for k in _CONFIG_KEYS},
-        "engine": ours,
-        "env": env,
-        "results": results,
-        "skipped": skipped,
-        "notes": notes,
-    }
-
-
 def report(
     results: dict[str, Any],
     skipped: dict[str, str],
@@ -206,7 +184,17 @@ def report(
     for e, why in skipped.items():
         print(f"# {e}: not run ({why})")
     if args.json:
-        doc = _json_doc(results, skipped, ours, args, n, notes)
+        env = _env_info(args, n)
+        env["backend"] = ours
+        doc = {
+            "schema": SCHEMA,
+            "config": {k: getattr(args, k) for k in _CONFIG_KEYS},
+            "engine": ours,
+            "env": env,
+            "results": results,
+            "skipped": skipped,
+            "notes": notes,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
