@@ -41,13 +41,15 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import collectives
+from benchmarks._bench_math import human
+from benchmarks._bench_mlp import mlp
 
 # One BLAS/OpenMP thread per rank. The ranks are fresh processes (spawn start method) that
 # inherit the parent's environment, so main() sets these before starting them and each rank's
@@ -95,66 +97,62 @@ def _median_ms(xs: list[float]) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
-# ---------------------------------------------------------------------------- tensorlib
-class _TlRunner:
-    """Plain, DDP-at-world-size-1 and DDP-at-2-ranks tensorlib models in one rank."""
+# ---------------------------------------------------------------------------- runners
+class _Runner:
+    """One rank's models and the timing loops ``_protocol`` runs, written once for both
+    libraries; a subclass builds the models and supplies the library's few calls below."""
 
-    def __init__(self, cfg: Config) -> None:
-        import tensorlib as tl
-        import tensorlib.functional as F
-        from ddp import DistributedDataParallel
-        from tensorlib import nn, optim
+    rank: int
+    models: dict[str, tuple[Any, Any]]  # name -> (model, optimizer)
+    x: Any
+    y: Any
+    buckets: list[int]  # DDP's bucket sizes in bytes
 
-        self.tl, self.F = tl, F
-        self.rank = collectives.get_rank()
-        dims = cfg.dims()
-
-        def mlp() -> Any:
-            tl.manual_seed(cfg.seed)
-            layers: list[Any] = []
-            for i in range(len(dims) - 1):
-                layers.append(nn.Linear(dims[i], dims[i + 1]))
-                if i < len(dims) - 2:
-                    layers.append(nn.ReLU())
-            return nn.Sequential(*layers)
-
-        def sgd(m: Any) -> Any:
-            return optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-
-        # Every rank must create the group; only rank 0 is in it (a serial, one-rank group).
-        solo = collectives.new_group([0])
-        self.models: dict[str, tuple[Any, Any]] = {}
-        plain = mlp()  # every rank: the 2-rank phase without communication needs it too
-        self.models["plain"] = (plain, sgd(plain))
-        if self.rank == 0:
-            assert isinstance(solo, collectives.ProcessGroup)
-            one = DistributedDataParallel(
-                mlp(),
-                process_group=solo,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                first_bucket_mb=cfg.first_bucket_mb,
-            )
-            self.models["ddp1"] = (one, sgd(one))
-        two = DistributedDataParallel(
-            mlp(), bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb
-        )
-        self.models["ddp2"] = (two, sgd(two))
-        rng = np.random.default_rng(cfg.seed + self.rank)
-        self.x = tl.tensor(rng.standard_normal((cfg.batch, dims[0])).astype(np.float32))
-        self.y = tl.tensor(rng.integers(0, cfg.classes, cfg.batch).astype(np.int64))
-        self.buckets = two.bucket_sizes()
+    def __init__(self) -> None:
         self.stats: dict[str, Any] = {}
         self._bufs: list[Any] | None = None
 
+    # -- the library's calls
+    def loss(self, logits: Any, target: Any) -> Any:
+        raise NotImplementedError
+
+    def zero_grad(self, opt: Any) -> None:
+        raise NotImplementedError
+
+    def wait_s(self, name: str, model: Any) -> float | None:
+        """How long the last backward waited for communication; None: not exposed."""
+        return None
+
+    def note_ddp(self, name: str, model: Any, rec: dict[str, Any]) -> None:
+        """Record what the library's DDP says about the recorded steps."""
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
+        raise NotImplementedError
+
+    def bucket(self, nbytes: int) -> Any:
+        """A float32 buffer of ``nbytes`` for the standalone all-reduce."""
+        raise NotImplementedError
+
+    def fill_ones(self, buf: Any) -> None:
+        raise NotImplementedError
+
+    def all_reduce_async(self, buf: Any) -> Any:
+        raise NotImplementedError
+
+    # -- the timing loops
     def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
+        """Train ``models[name]`` for ``n`` steps; with ``record``, keep each phase's seconds
+        under ``key`` (default ``name``)."""
         model, opt = self.models[name]
         rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
-        ddp = name != "plain"
         for _ in range(n):
             t0 = time.perf_counter()
-            loss = self.F.cross_entropy(model(self.x), self.y)
+            loss = self.loss(model(self.x), self.y)
             t1 = time.perf_counter()
-            opt.zero_grad()
+            self.zero_grad(opt)
             loss.backward()
             t2 = time.perf_counter()
             opt.step()
@@ -162,10 +160,88 @@ class _TlRunner:
             if record:
                 rec["fwd"].append(t1 - t0)
                 rec["bwd"].append(t2 - t1)
-                rec["wait"].append(model.stats.wait_s if ddp else 0.0)
+                wait = self.wait_s(name, model)
+                if wait is not None:
+                    rec["wait"].append(wait)
                 rec["opt"].append(t3 - t2)
                 rec["step"].append(t3 - t0)
-        if ddp and record:
+        if record:
+            self.note_ddp(name, model, rec)
+
+    def allreduce_alone(self, reps: int) -> list[float]:
+        """Seconds to all-reduce buckets of DDP's sizes, all launched at once, then waited."""
+        if self._bufs is None:
+            self._bufs = [self.bucket(nbytes) for nbytes in self.buckets]
+        times = []
+        for r in range(reps + 1):
+            for b in self._bufs:
+                self.fill_ones(b)  # touch them, as backward's writes would
+            self.barrier()
+            t0 = time.perf_counter()
+            works = [self.all_reduce_async(b) for b in self._bufs]
+            for w in works:
+                w.wait()
+            if r >= 1:
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+class _TlRunner(_Runner):
+    """Plain, DDP-at-world-size-1 and DDP-at-2-ranks tensorlib models in one rank."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        import tensorlib as tl
+        import tensorlib.functional as F
+        from ddp import DistributedDataParallel
+        from tensorlib import nn, optim
+
+        self.F = F
+        self.rank = collectives.get_rank()
+        self.group = collectives.get_default_group()
+        dims = cfg.dims()
+
+        def model() -> Any:
+            tl.manual_seed(cfg.seed)
+            return mlp(nn, dims)
+
+        def sgd(m: Any) -> Any:
+            return optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+
+        # Every rank must create the group; only rank 0 is in it (a serial, one-rank group).
+        solo = collectives.new_group([0])
+        self.models = {}
+        plain = model()  # every rank: the 2-rank phase without communication needs it too
+        self.models["plain"] = (plain, sgd(plain))
+        if self.rank == 0:
+            assert isinstance(solo, collectives.ProcessGroup)
+            one = DistributedDataParallel(
+                model(),
+                process_group=solo,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                first_bucket_mb=cfg.first_bucket_mb,
+            )
+            self.models["ddp1"] = (one, sgd(one))
+        two = DistributedDataParallel(
+            model(), bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb
+        )
+        self.models["ddp2"] = (two, sgd(two))
+        rng = np.random.default_rng(cfg.seed + self.rank)
+        self.x = tl.tensor(rng.standard_normal((cfg.batch, dims[0])).astype(np.float32))
+        self.y = tl.tensor(rng.integers(0, cfg.classes, cfg.batch).astype(np.int64))
+        self.buckets = two.bucket_sizes()
+
+    def loss(self, logits: Any, target: Any) -> Any:
+        return self.F.cross_entropy(logits, target)
+
+    def zero_grad(self, opt: Any) -> None:
+        opt.zero_grad()
+
+    def wait_s(self, name: str, model: Any) -> float | None:
+        return model.stats.wait_s if name != "plain" else 0.0
+
+    def note_ddp(self, name: str, model: Any, rec: dict[str, Any]) -> None:
+        if name != "plain":
             rec["in_backward"] = model.stats.launched_in_backward
 
     def barrier(self) -> None:
@@ -174,32 +250,22 @@ class _TlRunner:
     def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
         collectives.all_reduce(v, op="max")
 
-    def allreduce_alone(self, reps: int) -> list[float]:
-        """Seconds to all-reduce buckets of DDP's sizes, all launched at once, then waited."""
-        group = collectives.get_default_group()
-        if self._bufs is None:
-            # Shared-memory buffers from the group, like DDP's buckets (zero-copy all-reduce).
-            self._bufs = [group.alloc(nbytes // 4, np.float32) for nbytes in self.buckets]
-        bufs = self._bufs
-        times = []
-        for r in range(reps + 1):
-            for b in bufs:
-                b.fill(1.0)  # touch them, as backward's writes would
-            group.barrier()
-            t0 = time.perf_counter()
-            works = [group.all_reduce(b, op="avg", async_op=True) for b in bufs]
-            for w in works:
-                w.wait()
-            if r >= 1:
-                times.append(time.perf_counter() - t0)
-        return times
+    def bucket(self, nbytes: int) -> Any:
+        # Shared-memory buffers from the group, like DDP's buckets (zero-copy all-reduce).
+        return self.group.alloc(nbytes // 4, np.float32)
+
+    def fill_ones(self, buf: Any) -> None:
+        buf.fill(1.0)
+
+    def all_reduce_async(self, buf: Any) -> Any:
+        return self.group.all_reduce(buf, op="avg", async_op=True)
 
 
-# ---------------------------------------------------------------------------- torch
-class _TorchRunner:
+class _TorchRunner(_Runner):
     """The same protocol with torch eager (1 rank) and torch DDP over gloo (2 ranks)."""
 
     def __init__(self, cfg: Config, buckets: list[int]) -> None:
+        super().__init__()
         import torch
         import torch.distributed as dist
 
@@ -209,50 +275,32 @@ class _TorchRunner:
         self.rank = dist.get_rank()
         dims = cfg.dims()
 
-        def mlp() -> Any:
+        def model() -> Any:
             torch.manual_seed(cfg.seed)
-            layers: list[Any] = []
-            for i in range(len(dims) - 1):
-                layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
-                if i < len(dims) - 2:
-                    layers.append(torch.nn.ReLU())
-            return torch.nn.Sequential(*layers)
+            return mlp(torch.nn, dims)
 
         def sgd(m: Any) -> Any:
             return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
 
         ddp_cls = torch.nn.parallel.DistributedDataParallel
-        self.models: dict[str, tuple[Any, Any]] = {}
-        plain = mlp()
+        self.models = {}
+        plain = model()
         self.models["plain"] = (plain, sgd(plain))
         # Like ours: gradients are views into the buckets; torch's first bucket is also 1 MiB.
-        two = ddp_cls(mlp(), bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
+        two = ddp_cls(model(), bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
         self.models["ddp2"] = (two, sgd(two))
         g = torch.Generator().manual_seed(cfg.seed + self.rank)
         self.x = torch.randn(cfg.batch, dims[0], generator=g)
         self.y = torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
         self.buckets = buckets
-        self.stats: dict[str, Any] = {}
-        self._bufs: list[Any] | None = None
 
-    def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
-        model, opt = self.models[name]
-        rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
-        loss_fn = self.torch.nn.functional.cross_entropy
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loss = loss_fn(model(self.x), self.y)
-            t1 = time.perf_counter()
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            t3 = time.perf_counter()
-            if record:
-                rec["fwd"].append(t1 - t0)
-                rec["bwd"].append(t2 - t1)
-                rec["opt"].append(t3 - t2)
-                rec["step"].append(t3 - t0)
+    def loss(self, logits: Any, target: Any) -> Any:
+        return self.torch.nn.functional.cross_entropy(logits, target)
+
+    def zero_grad(self, opt: Any) -> None:
+        opt.zero_grad(set_to_none=False)
+
+    # wait_s: torch exposes no wait time (shown as "-"); note_ddp: nothing to note.
 
     def barrier(self) -> None:
         self.dist.barrier()
@@ -260,28 +308,21 @@ class _TorchRunner:
     def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
         self.dist.all_reduce(self.torch.from_numpy(v), op=self.dist.ReduceOp.MAX)
 
-    def allreduce_alone(self, reps: int) -> list[float]:
-        if self._bufs is None:
-            self._bufs = [self.torch.ones(nbytes // 4) for nbytes in self.buckets]
-        times = []
-        for r in range(reps + 1):
-            for b in self._bufs:
-                b.fill_(1.0)
-            self.dist.barrier()
-            t0 = time.perf_counter()
-            works = [self.dist.all_reduce(b, async_op=True) for b in self._bufs]
-            for w in works:
-                w.wait()
-            if r >= 1:
-                times.append(time.perf_counter() - t0)
-        return times
+    def bucket(self, nbytes: int) -> Any:
+        return self.torch.ones(nbytes // 4)
+
+    def fill_ones(self, buf: Any) -> None:
+        buf.fill_(1.0)
+
+    def all_reduce_async(self, buf: Any) -> Any:
+        return self.dist.all_reduce(buf, async_op=True)
 
     def close(self) -> None:
         self.dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- protocol
-def _protocol(runner: Any, cfg: Config, solo: list[str]) -> dict[str, Any]:
+def _protocol(runner: _Runner, cfg: Config, solo: list[str]) -> dict[str, Any]:
     """Warm up, then ``rounds`` rounds of every phase (order rotated each round); summarize.
 
     Phases: ``solo`` (rank 0 alone runs the 1-rank models while rank 1 waits at a barrier),
@@ -313,14 +354,13 @@ def _protocol(runner: Any, cfg: Config, solo: list[str]) -> dict[str, Any]:
         for name in phases[r % 4 :] + phases[: r % 4]:
             phase(name, True, cfg.steps)
 
-    keys = ("fwd", "bwd", "wait", "opt", "step")
     rows: dict[str, dict[str, float]] = {}
     for name in [*solo, "indep2", "ddp2"]:
         rec = runner.stats.get(name, {})
-        med = np.array([_median_ms(rec.get(k, [])) for k in keys], dtype=np.float64)
+        med = np.array([_median_ms(rec.get(k, [])) for k in _KEYS], dtype=np.float64)
         if name in ("indep2", "ddp2"):
             runner.max_over_ranks(med)  # the slower rank sets the pace
-        rows[name] = dict(zip(keys, (float(v) for v in med), strict=True))
+        rows[name] = dict(zip(_KEYS, (float(v) for v in med), strict=True))
         if "in_backward" in rec:
             rows[name]["launched_in_backward"] = rec["in_backward"]
     comm_ms = np.array([_median_ms(comm)], dtype=np.float64)
@@ -362,15 +402,6 @@ def _fmt_row(label: str, row: dict[str, float] | None) -> str:
         f"{label:<24}{row['fwd']:8.2f} {row['bwd']:8.2f} {wait_s} {row['opt']:8.2f} "
         f"{row['step']:8.2f}"
     )
-
-
-def _human(nbytes: float) -> str:
-    """Bytes as a short binary-unit string (4K, 1.5M)."""
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= div:
-            v = nbytes / div
-            return f"{v:.0f}{unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f}{unit}"
-    return f"{int(nbytes)}B"
 
 
 def report(
@@ -415,7 +446,7 @@ def report(
     comm = ours["allreduce_alone_ms"]
     wait2 = rows["ddp2"]["wait"]
     ratio = t2 / t1
-    sizes = ", ".join(_human(b) for b in buckets)
+    sizes = ", ".join(human(b, whole_within=0.05) for b in buckets)
     print(
         f"\nbuckets: {len(buckets)} [{sizes}] (first {cfg.first_bucket_mb:g} MiB, cap "
         f"{cfg.bucket_cap_mb:g} MiB); started during backward: "
@@ -524,17 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch DDP comparison")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args(argv)
-    cfg = Config(
-        width=a.width,
-        depth=a.depth,
-        batch=a.batch,
-        steps=a.steps,
-        rounds=a.rounds,
-        warmup=a.warmup,
-        bucket_cap_mb=a.bucket_cap_mb,
-        first_bucket_mb=a.first_bucket_mb,
-        switch_interval=a.switch_interval,
-    )
+    # The options named like Config's fields are its values; the rest keep their defaults.
+    cfg = Config(**{f.name: getattr(a, f.name) for f in fields(Config) if hasattr(a, f.name)})
     for var in THREAD_VARS:
         # Assigned, not defaulted: a run of "one thread per rank" must not inherit 4.
         os.environ[var] = "1"
