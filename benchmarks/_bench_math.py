@@ -36,7 +36,7 @@ def human(n: float, whole_within: float = 0.0) -> str:
     Args:
         n: a byte count.
         whole_within: a value within this of a whole number of units prints as that whole
-            number (0.05: ``0.97M`` -> ``1M``); 0 keeps one decimal unless exactly whole.
+            number (0.05: ``4.02M`` -> ``4M``); 0 keeps one decimal unless exactly whole.
 
     Returns:
         The string, e.g. ``"4K"``, ``"1.5M"`` or ``"512B"``.

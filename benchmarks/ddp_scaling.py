@@ -408,9 +408,20 @@ def report(
     cfg: Config, ours: dict[str, Any], theirs: dict[str, Any] | None, why: str
 ) -> dict[str, Any]:
     """Print the tables and verdict; return the JSON summary."""
-    buckets = ours["buckets"]
+    _print_tables(cfg, ours, theirs)
+    summary = _print_verdict(cfg, ours)
+    if theirs:
+        summary["torch"] = _print_torch(theirs, ours["rows"]["ddp2"]["step"])
+    else:
+        print(f"torch: not run ({why})")
+        summary["torch"] = {"skipped": why}
+    return summary
+
+
+def _print_tables(cfg: Config, ours: dict[str, Any], theirs: dict[str, Any] | None) -> None:
+    """The run's description, then a row per configuration (torch's beside ours)."""
     rows = ours["rows"]
-    total = sum(buckets)
+    total = sum(ours["buckets"])
     head = f"{'':<24}{'fwd ms':>8} {'bwd ms':>8} {'wait ms':>8} {'opt ms':>8} {'step ms':>8}"
     threads = ours["threads"]
     if threads["checked"]:
@@ -441,6 +452,12 @@ def report(
             line += "  | " + (_fmt_row("", trow).strip() if trow else "")
         print(line)
 
+
+def _print_verdict(cfg: Config, ours: dict[str, Any]) -> dict[str, Any]:
+    """Buckets, the all-reduce's share, the wait, the scaling verdict and its two parts;
+    the JSON summary of ours."""
+    buckets = ours["buckets"]
+    rows = ours["rows"]
     t1, t2 = rows["plain"]["step"], rows["ddp2"]["step"]
     bwd1 = rows["plain"]["bwd"]
     comm = ours["allreduce_alone_ms"]
@@ -489,7 +506,7 @@ def report(
     summary: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "threads": threads,
+        "threads": ours["threads"],
         "bucket_bytes": buckets,
         "rows_ms": rows,
         "allreduce_alone_ms": comm,
@@ -503,25 +520,25 @@ def report(
         "target_ratio": TARGET,
         "target_met": met,
     }
-    if theirs:
-        tt1, tt2 = theirs["rows"]["plain"]["step"], theirs["rows"]["ddp2"]["step"]
-        tcomm = theirs["allreduce_alone_ms"]
-        print(
-            f"torch DDP (gloo): efficiency {tt1 / tt2:.2f} (2-rank step = {tt2 / tt1:.2f}x "
-            f"the 1-rank step); gloo all-reduce of the same bucket sizes alone {tcomm:.2f} ms "
-            f"= {tcomm / theirs['rows']['plain']['bwd']:.0%} of torch's 1-rank backward"
-        )
-        print(f"2-rank step, tensorlib+ddp / torch DDP: {t2 / tt2:.2f}x")
-        summary["torch"] = {
-            "version": torch_version(),
-            "rows_ms": theirs["rows"],
-            "allreduce_alone_ms": tcomm,
-            "efficiency": tt1 / tt2,
-        }
-    else:
-        print(f"torch: not run ({why})")
-        summary["torch"] = {"skipped": why}
     return summary
+
+
+def _print_torch(theirs: dict[str, Any], t2: float) -> dict[str, Any]:
+    """torch DDP's efficiency and ours against it (``t2``: our 2-rank step); its summary."""
+    tt1, tt2 = theirs["rows"]["plain"]["step"], theirs["rows"]["ddp2"]["step"]
+    tcomm = theirs["allreduce_alone_ms"]
+    print(
+        f"torch DDP (gloo): efficiency {tt1 / tt2:.2f} (2-rank step = {tt2 / tt1:.2f}x "
+        f"the 1-rank step); gloo all-reduce of the same bucket sizes alone {tcomm:.2f} ms "
+        f"= {tcomm / theirs['rows']['plain']['bwd']:.0%} of torch's 1-rank backward"
+    )
+    print(f"2-rank step, tensorlib+ddp / torch DDP: {t2 / tt2:.2f}x")
+    return {
+        "version": torch_version(),
+        "rows_ms": theirs["rows"],
+        "allreduce_alone_ms": tcomm,
+        "efficiency": tt1 / tt2,
+    }
 
 
 def torch_version() -> str:

@@ -72,6 +72,14 @@ def test_parse_size_rejects(bad: str) -> None:
         bm.parse_size(bad)
 
 
+def test_human_sizes() -> None:
+    assert [bm.human(n) for n in (512, 4096, 1536, 256 << 20, 1 << 30)] == [
+        "512B", "4K", "1.5K", "256M", "1G"]  # fmt: skip
+    almost = int(4.02 * (1 << 20))
+    assert bm.human(almost) == "4.0M"  # the table's footer: one decimal unless exactly whole
+    assert bm.human(almost, whole_within=0.05) == "4M"  # ddp_scaling's bucket sizes
+
+
 def test_busbw_factors() -> None:
     assert bm.bus_factor("all_reduce", 1) == 0
     assert bm.bus_factor("all_reduce", 2) == 1
