@@ -38,318 +38,16 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import collectives
+from benchmarks._bench_ddp import THREAD_VARS, Config, tl_worker, torch_worker
+from benchmarks._bench_math import human
 
-# One BLAS/OpenMP thread per rank. The ranks are fresh processes (spawn start method) that
-# inherit the parent's environment, so main() sets these before starting them and each rank's
-# NumPy/torch reads them when it loads.
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 TARGET = 1.10  # the 2-rank step may take at most this multiple of the 1-rank step
-_KEYS = ("fwd", "bwd", "wait", "opt", "step")
-
-
-@dataclass
-class Config:
-    """The benchmark's parameters (they travel to the ranks)."""
-
-    width: int = 1024
-    depth: int = 8
-    batch: int = 8
-    classes: int = 10
-    steps: int = 20
-    rounds: int = 4
-    warmup: int = 5
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
-    seed: int = 0
-    switch_interval: float | None = None  # sys.setswitchinterval in each rank (GIL hand-off)
-
-    def dims(self) -> list[int]:
-        """Layer sizes: ``depth`` square hidden layers of ``width``, then the classes."""
-        return [self.width] * (self.depth + 1) + [self.classes]
-
-
-def thread_report() -> dict[str, Any]:
-    """BLAS/OpenMP thread counts as threadpoolctl sees them, else the environment's word."""
-    env = {v: os.environ.get(v) for v in THREAD_VARS}
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return {"checked": False, "env": env}
-    pools = [
-        {"api": p.get("internal_api"), "threads": p.get("num_threads")} for p in threadpool_info()
-    ]
-    return {"checked": True, "env": env, "pools": pools}
-
-
-def _median_ms(xs: list[float]) -> float:
-    return 1e3 * statistics.median(xs) if xs else float("nan")
-
-
-# ---------------------------------------------------------------------------- tensorlib
-class _TlRunner:
-    """Plain, DDP-at-world-size-1 and DDP-at-2-ranks tensorlib models in one rank."""
-
-    def __init__(self, cfg: Config) -> None:
-        import tensorlib as tl
-        import tensorlib.functional as F
-        from ddp import DistributedDataParallel
-        from tensorlib import nn, optim
-
-        self.tl, self.F = tl, F
-        self.rank = collectives.get_rank()
-        dims = cfg.dims()
-
-        def mlp() -> Any:
-            tl.manual_seed(cfg.seed)
-            layers: list[Any] = []
-            for i in range(len(dims) - 1):
-                layers.append(nn.Linear(dims[i], dims[i + 1]))
-                if i < len(dims) - 2:
-                    layers.append(nn.ReLU())
-            return nn.Sequential(*layers)
-
-        def sgd(m: Any) -> Any:
-            return optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-
-        # Every rank must create the group; only rank 0 is in it (a serial, one-rank group).
-        solo = collectives.new_group([0])
-        self.models: dict[str, tuple[Any, Any]] = {}
-        plain = mlp()  # every rank: the 2-rank phase without communication needs it too
-        self.models["plain"] = (plain, sgd(plain))
-        if self.rank == 0:
-            assert isinstance(solo, collectives.ProcessGroup)
-            one = DistributedDataParallel(
-                mlp(),
-                process_group=solo,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                first_bucket_mb=cfg.first_bucket_mb,
-            )
-            self.models["ddp1"] = (one, sgd(one))
-        two = DistributedDataParallel(
-            mlp(), bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb
-        )
-        self.models["ddp2"] = (two, sgd(two))
-        rng = np.random.default_rng(cfg.seed + self.rank)
-        self.x = tl.tensor(rng.standard_normal((cfg.batch, dims[0])).astype(np.float32))
-        self.y = tl.tensor(rng.integers(0, cfg.classes, cfg.batch).astype(np.int64))
-        self.buckets = two.bucket_sizes()
-        self.stats: dict[str, Any] = {}
-        self._bufs: list[Any] | None = None
-
-    def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
-        model, opt = self.models[name]
-        rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
-        ddp = name != "plain"
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loss = self.F.cross_entropy(model(self.x), self.y)
-            t1 = time.perf_counter()
-            opt.zero_grad()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            t3 = time.perf_counter()
-            if record:
-                rec["fwd"].append(t1 - t0)
-                rec["bwd"].append(t2 - t1)
-                rec["wait"].append(model.stats.wait_s if ddp else 0.0)
-                rec["opt"].append(t3 - t2)
-                rec["step"].append(t3 - t0)
-        if ddp and record:
-            rec["in_backward"] = model.stats.launched_in_backward
-
-    def barrier(self) -> None:
-        collectives.barrier()
-
-    def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
-        collectives.all_reduce(v, op="max")
-
-    def allreduce_alone(self, reps: int) -> list[float]:
-        """Seconds to all-reduce buckets of DDP's sizes, all launched at once, then waited."""
-        group = collectives.get_default_group()
-        if self._bufs is None:
-            # Shared-memory buffers from the group, like DDP's buckets (zero-copy all-reduce).
-            self._bufs = [group.alloc(nbytes // 4, np.float32) for nbytes in self.buckets]
-        bufs = self._bufs
-        times = []
-        for r in range(reps + 1):
-            for b in bufs:
-                b.fill(1.0)  # touch them, as backward's writes would
-            group.barrier()
-            t0 = time.perf_counter()
-            works = [group.all_reduce(b, op="avg", async_op=True) for b in bufs]
-            for w in works:
-                w.wait()
-            if r >= 1:
-                times.append(time.perf_counter() - t0)
-        return times
-
-
-# ---------------------------------------------------------------------------- torch
-class _TorchRunner:
-    """The same protocol with torch eager (1 rank) and torch DDP over gloo (2 ranks)."""
-
-    def __init__(self, cfg: Config, buckets: list[int]) -> None:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        self.torch, self.dist = torch, dist
-        self.rank = dist.get_rank()
-        dims = cfg.dims()
-
-        def mlp() -> Any:
-            torch.manual_seed(cfg.seed)
-            layers: list[Any] = []
-            for i in range(len(dims) - 1):
-                layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
-                if i < len(dims) - 2:
-                    layers.append(torch.nn.ReLU())
-            return torch.nn.Sequential(*layers)
-
-        def sgd(m: Any) -> Any:
-            return torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-
-        ddp_cls = torch.nn.parallel.DistributedDataParallel
-        self.models: dict[str, tuple[Any, Any]] = {}
-        plain = mlp()
-        self.models["plain"] = (plain, sgd(plain))
-        # Like ours: gradients are views into the buckets; torch's first bucket is also 1 MiB.
-        two = ddp_cls(mlp(), bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=True)
-        self.models["ddp2"] = (two, sgd(two))
-        g = torch.Generator().manual_seed(cfg.seed + self.rank)
-        self.x = torch.randn(cfg.batch, dims[0], generator=g)
-        self.y = torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
-        self.buckets = buckets
-        self.stats: dict[str, Any] = {}
-        self._bufs: list[Any] | None = None
-
-    def steps(self, name: str, n: int, record: bool, key: str | None = None) -> None:
-        model, opt = self.models[name]
-        rec = self.stats.setdefault(key or name, {k: [] for k in _KEYS})
-        loss_fn = self.torch.nn.functional.cross_entropy
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loss = loss_fn(model(self.x), self.y)
-            t1 = time.perf_counter()
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            t3 = time.perf_counter()
-            if record:
-                rec["fwd"].append(t1 - t0)
-                rec["bwd"].append(t2 - t1)
-                rec["opt"].append(t3 - t2)
-                rec["step"].append(t3 - t0)
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def max_over_ranks(self, v: np.ndarray[Any, Any]) -> None:
-        self.dist.all_reduce(self.torch.from_numpy(v), op=self.dist.ReduceOp.MAX)
-
-    def allreduce_alone(self, reps: int) -> list[float]:
-        if self._bufs is None:
-            self._bufs = [self.torch.ones(nbytes // 4) for nbytes in self.buckets]
-        times = []
-        for r in range(reps + 1):
-            for b in self._bufs:
-                b.fill_(1.0)
-            self.dist.barrier()
-            t0 = time.perf_counter()
-            works = [self.dist.all_reduce(b, async_op=True) for b in self._bufs]
-            for w in works:
-                w.wait()
-            if r >= 1:
-                times.append(time.perf_counter() - t0)
-        return times
-
-    def close(self) -> None:
-        self.dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------- protocol
-def _protocol(runner: Any, cfg: Config, solo: list[str]) -> dict[str, Any]:
-    """Warm up, then ``rounds`` rounds of every phase (order rotated each round); summarize.
-
-    Phases: ``solo`` (rank 0 alone runs the 1-rank models while rank 1 waits at a barrier),
-    ``indep2`` (both ranks train the plain model at once, without communicating: what two
-    processes cost each other on this machine), ``ddp2`` (both train under DDP) and ``comm``
-    (an all-reduce of buckets of DDP's sizes, nothing else running).
-    """
-    rank = runner.rank
-    comm: list[float] = []
-
-    def phase(name: str, record: bool, n: int) -> None:
-        runner.barrier()
-        if name == "solo":
-            if rank == 0:
-                for model in solo:
-                    runner.steps(model, n, record)
-        elif name == "comm":
-            times = runner.allreduce_alone(reps=max(3, n // 4))
-            if record:
-                comm.extend(times)
-        else:
-            runner.steps("plain" if name == "indep2" else "ddp2", n, record, key=name)
-        runner.barrier()  # the rank that sat out waits here (blocking, not spinning)
-
-    phases = ["solo", "ddp2", "indep2", "comm"]
-    for name in phases:
-        phase(name, False, cfg.warmup)
-    for r in range(cfg.rounds):
-        for name in phases[r % 4 :] + phases[: r % 4]:
-            phase(name, True, cfg.steps)
-
-    keys = ("fwd", "bwd", "wait", "opt", "step")
-    rows: dict[str, dict[str, float]] = {}
-    for name in [*solo, "indep2", "ddp2"]:
-        rec = runner.stats.get(name, {})
-        med = np.array([_median_ms(rec.get(k, [])) for k in keys], dtype=np.float64)
-        if name in ("indep2", "ddp2"):
-            runner.max_over_ranks(med)  # the slower rank sets the pace
-        rows[name] = dict(zip(keys, (float(v) for v in med), strict=True))
-        if "in_backward" in rec:
-            rows[name]["launched_in_backward"] = rec["in_backward"]
-    comm_ms = np.array([_median_ms(comm)], dtype=np.float64)
-    runner.max_over_ranks(comm_ms)
-    return {"rows": rows, "allreduce_alone_ms": float(comm_ms[0]), "threads": thread_report()}
-
-
-def tl_worker(rank: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
-    """One rank of the tensorlib run (the group is initialized by ``spawn``)."""
-    cfg = Config(**cfg_dict)
-    if cfg.switch_interval:
-        sys.setswitchinterval(cfg.switch_interval)
-    runner = _TlRunner(cfg)
-    out = _protocol(runner, cfg, ["plain", "ddp1"])
-    out["buckets"] = runner.buckets
-    return out if rank == 0 else None
-
-
-def torch_worker(rank: int, cfg_dict: dict[str, Any], buckets: list[int]) -> Any:
-    """One rank of the torch run (spawned without our group; torch reads the same env)."""
-    cfg = Config(**cfg_dict)
-    if cfg.switch_interval:
-        sys.setswitchinterval(cfg.switch_interval)
-    runner = _TorchRunner(cfg, buckets)
-    try:
-        out = _protocol(runner, cfg, ["plain"])
-    finally:
-        runner.close()
-    return out if rank == 0 else None
 
 
 # ---------------------------------------------------------------------------- report
@@ -364,22 +62,24 @@ def _fmt_row(label: str, row: dict[str, float] | None) -> str:
     )
 
 
-def _human(nbytes: float) -> str:
-    """Bytes as a short binary-unit string (4K, 1.5M)."""
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= div:
-            v = nbytes / div
-            return f"{v:.0f}{unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f}{unit}"
-    return f"{int(nbytes)}B"
-
-
 def report(
     cfg: Config, ours: dict[str, Any], theirs: dict[str, Any] | None, why: str
 ) -> dict[str, Any]:
     """Print the tables and verdict; return the JSON summary."""
-    buckets = ours["buckets"]
+    _print_tables(cfg, ours, theirs)
+    summary = _print_verdict(cfg, ours)
+    if theirs:
+        summary["torch"] = _print_torch(theirs, ours["rows"]["ddp2"]["step"])
+    else:
+        print(f"torch: not run ({why})")
+        summary["torch"] = {"skipped": why}
+    return summary
+
+
+def _print_tables(cfg: Config, ours: dict[str, Any], theirs: dict[str, Any] | None) -> None:
+    """The run's description, then a row per configuration (torch's beside ours)."""
     rows = ours["rows"]
-    total = sum(buckets)
+    total = sum(ours["buckets"])
     head = f"{'':<24}{'fwd ms':>8} {'bwd ms':>8} {'wait ms':>8} {'opt ms':>8} {'step ms':>8}"
     threads = ours["threads"]
     if threads["checked"]:
@@ -410,12 +110,18 @@ def report(
             line += "  | " + (_fmt_row("", trow).strip() if trow else "")
         print(line)
 
+
+def _print_verdict(cfg: Config, ours: dict[str, Any]) -> dict[str, Any]:
+    """Buckets, the all-reduce's share, the wait, the scaling verdict and its two parts;
+    the JSON summary of ours."""
+    buckets = ours["buckets"]
+    rows = ours["rows"]
     t1, t2 = rows["plain"]["step"], rows["ddp2"]["step"]
     bwd1 = rows["plain"]["bwd"]
     comm = ours["allreduce_alone_ms"]
     wait2 = rows["ddp2"]["wait"]
     ratio = t2 / t1
-    sizes = ", ".join(_human(b) for b in buckets)
+    sizes = ", ".join(human(b, whole_within=0.05) for b in buckets)
     print(
         f"\nbuckets: {len(buckets)} [{sizes}] (first {cfg.first_bucket_mb:g} MiB, cap "
         f"{cfg.bucket_cap_mb:g} MiB); started during backward: "
@@ -458,7 +164,7 @@ def report(
     summary: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "threads": threads,
+        "threads": ours["threads"],
         "bucket_bytes": buckets,
         "rows_ms": rows,
         "allreduce_alone_ms": comm,
@@ -472,25 +178,25 @@ def report(
         "target_ratio": TARGET,
         "target_met": met,
     }
-    if theirs:
-        tt1, tt2 = theirs["rows"]["plain"]["step"], theirs["rows"]["ddp2"]["step"]
-        tcomm = theirs["allreduce_alone_ms"]
-        print(
-            f"torch DDP (gloo): efficiency {tt1 / tt2:.2f} (2-rank step = {tt2 / tt1:.2f}x "
-            f"the 1-rank step); gloo all-reduce of the same bucket sizes alone {tcomm:.2f} ms "
-            f"= {tcomm / theirs['rows']['plain']['bwd']:.0%} of torch's 1-rank backward"
-        )
-        print(f"2-rank step, tensorlib+ddp / torch DDP: {t2 / tt2:.2f}x")
-        summary["torch"] = {
-            "version": torch_version(),
-            "rows_ms": theirs["rows"],
-            "allreduce_alone_ms": tcomm,
-            "efficiency": tt1 / tt2,
-        }
-    else:
-        print(f"torch: not run ({why})")
-        summary["torch"] = {"skipped": why}
     return summary
+
+
+def _print_torch(theirs: dict[str, Any], t2: float) -> dict[str, Any]:
+    """torch DDP's efficiency and ours against it (``t2``: our 2-rank step); its summary."""
+    tt1, tt2 = theirs["rows"]["plain"]["step"], theirs["rows"]["ddp2"]["step"]
+    tcomm = theirs["allreduce_alone_ms"]
+    print(
+        f"torch DDP (gloo): efficiency {tt1 / tt2:.2f} (2-rank step = {tt2 / tt1:.2f}x "
+        f"the 1-rank step); gloo all-reduce of the same bucket sizes alone {tcomm:.2f} ms "
+        f"= {tcomm / theirs['rows']['plain']['bwd']:.0%} of torch's 1-rank backward"
+    )
+    print(f"2-rank step, tensorlib+ddp / torch DDP: {t2 / tt2:.2f}x")
+    return {
+        "version": torch_version(),
+        "rows_ms": theirs["rows"],
+        "allreduce_alone_ms": tcomm,
+        "efficiency": tt1 / tt2,
+    }
 
 
 def torch_version() -> str:
@@ -524,17 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch DDP comparison")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args(argv)
-    cfg = Config(
-        width=a.width,
-        depth=a.depth,
-        batch=a.batch,
-        steps=a.steps,
-        rounds=a.rounds,
-        warmup=a.warmup,
-        bucket_cap_mb=a.bucket_cap_mb,
-        first_bucket_mb=a.first_bucket_mb,
-        switch_interval=a.switch_interval,
-    )
+    # The options named like Config's fields are its values; the rest keep their defaults.
+    cfg = Config(**{f.name: getattr(a, f.name) for f in fields(Config) if hasattr(a, f.name)})
     for var in THREAD_VARS:
         # Assigned, not defaulted: a run of "one thread per rank" must not inherit 4.
         os.environ[var] = "1"

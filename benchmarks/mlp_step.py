@@ -27,6 +27,7 @@ import numpy as np
 
 import tensorlib as tl
 import tensorlib.functional as F
+from benchmarks._bench_mlp import mlp
 from tensorlib import nn, optim
 
 
@@ -63,12 +64,7 @@ def build_tensorlib_step(
 ]:
     """Return (step, initial weights as arrays, x, y) for tensorlib."""
     tl.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1], device=device))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
+    model = mlp(nn, sizes, device=device)
     opt = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rng = np.random.default_rng(seed)
     x_np = rng.standard_normal((batch, sizes[0])).astype(np.float32)
@@ -95,12 +91,7 @@ def build_torch_step(
 ) -> Callable[[], None]:
     """The same model, weights, batch and optimizer in PyTorch eager."""
     dev = "cuda" if device.startswith("cuda") else "cpu"
-    layers: list[Any] = []
-    for i in range(len(sizes) - 1):
-        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).to(dev)
+    model = mlp(torch.nn, sizes).to(dev)
     with torch.no_grad():
         for p, w in zip(model.parameters(), init, strict=True):
             p.copy_(torch.from_numpy(w))
@@ -118,44 +109,37 @@ def build_torch_step(
     return step
 
 
+def _adds(x0: Any, b: Any, n_ops: int, backward: bool) -> Callable[[], None]:
+    """``n_ops`` tiny adds starting from ``x0``, then (``backward``) a backward pass: the same
+    code for a tensorlib or a torch tensor."""
+
+    def run() -> None:
+        x = x0
+        for _ in range(n_ops):
+            x = x + b
+        if backward:
+            x.sum().backward()
+
+    return run
+
+
 def op_chain(n_ops: int, device: str, torch: Any, rounds: int = 15) -> dict[str, float]:
     """Microseconds per tiny add, forward only and forward+backward, for both libraries."""
     res: dict[str, float] = {}
     a = tl.ones(4, device=device)
     b = tl.ones(4, device=device)
-
-    def tl_fwd() -> None:
-        x = a
-        for _ in range(n_ops):
-            x = x + b
-
     bg = tl.ones(4, device=device, requires_grad=True)
-
-    def tl_bwd() -> None:
-        x = bg
-        for _ in range(n_ops):
-            x = x + b
-        x.sum().backward()
-
-    fns: dict[str, Callable[[], None]] = {"tensorlib_fwd": tl_fwd, "tensorlib_fwd_bwd": tl_bwd}
+    fns: dict[str, Callable[[], None]] = {
+        "tensorlib_fwd": _adds(a, b, n_ops, backward=False),
+        "tensorlib_fwd_bwd": _adds(bg, b, n_ops, backward=True),
+    }
     if torch is not None:
         dev = "cuda" if device.startswith("cuda") else "cpu"
         ta = torch.ones(4, device=dev)
         tb = torch.ones(4, device=dev)
         tg = torch.ones(4, device=dev, requires_grad=True)
-
-        def t_fwd() -> None:
-            x = ta
-            for _ in range(n_ops):
-                x = x + tb
-
-        def t_bwd() -> None:
-            x = tg
-            for _ in range(n_ops):
-                x = x + tb
-            x.sum().backward()
-
-        fns.update({"torch_fwd": t_fwd, "torch_fwd_bwd": t_bwd})
+        fns["torch_fwd"] = _adds(ta, tb, n_ops, backward=False)
+        fns["torch_fwd_bwd"] = _adds(tg, tb, n_ops, backward=True)
     sync = lambda: _sync(device, torch)  # noqa: E731
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):  # alternate the libraries so machine noise hits both alike

@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+from benchmarks import _bench_engines as be
+from benchmarks import _bench_math as bm
+from benchmarks import _bench_report as br
+from benchmarks import _bench_sweep as bs
 from benchmarks import allreduce as ab
 from benchmarks import cpu_allreduce
 
@@ -28,7 +32,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", ab.CORRUPT_ENV)
+        if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", bs.CORRUPT_ENV)
     }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
     return env
@@ -59,36 +63,44 @@ def data_rows(stdout: str) -> list[list[str]]:
      ("64KiB", 65536), ("1.5K", 1536), ("8B", 8)],
 )  # fmt: skip
 def test_parse_size(text: str, expect: int) -> None:
-    assert ab.parse_size(text) == expect
+    assert bm.parse_size(text) == expect
 
 
 @pytest.mark.parametrize("bad", ["", "x", "4Q", "0", "-1K"])
 def test_parse_size_rejects(bad: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        ab.parse_size(bad)
+        bm.parse_size(bad)
+
+
+def test_human_sizes() -> None:
+    assert [bm.human(n) for n in (512, 4096, 1536, 256 << 20, 1 << 30)] == [
+        "512B", "4K", "1.5K", "256M", "1G"]  # fmt: skip
+    almost = int(4.02 * (1 << 20))
+    assert bm.human(almost) == "4.0M"  # the table's footer: one decimal unless exactly whole
+    assert bm.human(almost, whole_within=0.05) == "4M"  # ddp_scaling's bucket sizes
 
 
 def test_busbw_factors() -> None:
-    assert ab.bus_factor("all_reduce", 1) == 0
-    assert ab.bus_factor("all_reduce", 2) == 1
-    assert ab.bus_factor("all_reduce", 4) == pytest.approx(1.5)
-    assert ab.bus_factor("all_reduce", 8) == pytest.approx(1.75)
+    assert bm.bus_factor("all_reduce", 1) == 0
+    assert bm.bus_factor("all_reduce", 2) == 1
+    assert bm.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bm.bus_factor("all_reduce", 8) == pytest.approx(1.75)
     for op in ("all_gather", "reduce_scatter"):
-        assert ab.bus_factor(op, 2) == pytest.approx(0.5)
-        assert ab.bus_factor(op, 8) == pytest.approx(7 / 8)
+        assert bm.bus_factor(op, 2) == pytest.approx(0.5)
+        assert bm.bus_factor(op, 8) == pytest.approx(7 / 8)
     for op in ("broadcast", "reduce"):
-        assert ab.bus_factor(op, 2) == ab.bus_factor(op, 16) == 1
+        assert bm.bus_factor(op, 2) == bm.bus_factor(op, 16) == 1
     with pytest.raises(ValueError):
-        ab.bus_factor("all_to_all", 2)
+        bm.bus_factor("all_to_all", 2)
 
 
 def test_sweep_and_rounding() -> None:
-    assert ab.sizes(4 << 10, 256 << 20, 4)[-1] == 256 << 20
-    assert ab.sizes(4, 100, 4) == [4, 16, 64]
-    assert ab.sizes(8, 8, 2) == [8]
-    assert ab.element_count("all_reduce", 10, 4, 3) == 2
-    assert ab.element_count("reduce_scatter", 40, 4, 3) == 9  # 10 elements -> 9 = 3 * 3
-    assert ab.element_count("all_gather", 4, 4, 2) == 2  # at least one element per rank
+    assert bm.sizes(4 << 10, 256 << 20, 4)[-1] == 256 << 20
+    assert bm.sizes(4, 100, 4) == [4, 16, 64]
+    assert bm.sizes(8, 8, 2) == [8]
+    assert bm.element_count("all_reduce", 10, 4, 3) == 2
+    assert bm.element_count("reduce_scatter", 40, 4, 3) == 9  # 10 elements -> 9 = 3 * 3
+    assert bm.element_count("all_gather", 4, 4, 2) == 2  # at least one element per rank
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -106,21 +118,21 @@ def test_table_and_json(nproc: int, tmp_path: Path) -> None:
     assert "avg busbw" in p.stdout and "of memory copy" in p.stdout
     assert "[cpu] 3/3" in p.stderr  # progress goes to stderr
     doc = json.loads(out.read_text())
-    assert doc["schema"] == ab.SCHEMA and doc["engine"] == "cpu"
+    assert doc["schema"] == br.SCHEMA and doc["engine"] == "cpu"
     for key in ("python", "numpy", "host", "cpu_model", "world_size", "backend"):
         assert key in doc["env"]
     assert doc["env"]["world_size"] == nproc
     res = doc["results"]["cpu"]
     assert res["world"] == nproc and res["copy_GBps"] > 0
     assert len(res["rows"]) == 3 and all(set(r) >= ROW_KEYS for r in res["rows"])
-    factor = ab.bus_factor("all_reduce", nproc)
+    factor = bm.bus_factor("all_reduce", nproc)
     for r in res["rows"]:
         assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
         assert r["busbw"] == pytest.approx(r["algbw"] * factor)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("op", ab.OPS)
+@pytest.mark.parametrize("op", bm.OPS)
 def test_every_op_at_two_ranks(op: str) -> None:
     p = bench("--nproc", "2", "--op", op, "-b", "24", "-e", "96", "-f", "4", "--iters", "2",
               "--blocks", "1", "--async", "--zero-copy")  # fmt: skip
@@ -148,14 +160,14 @@ def test_reduce_scatter_rounds_and_says_so() -> None:
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 def test_wrong_counts_corrupted_elements(op: str) -> None:
     p = bench("--nproc", "2", "--op", op, "-b", "64", "-e", "64", "--iters", "1", "--blocks",
-              "1", env={ab.CORRUPT_ENV: "3"})  # fmt: skip
+              "1", env={bs.CORRUPT_ENV: "3"})  # fmt: skip
     assert p.returncode == 1, p.stderr
-    assert data_rows(p.stdout)[0][8] == str(3 * ab.CHECK_ITERS)
+    assert data_rows(p.stdout)[0][8] == str(3 * bs.CHECK_ITERS)
 
 
 @pytest.mark.timeout(120)
 def test_no_check_prints_na() -> None:
-    p = bench("--nproc", "1", *TINY, "--no-check", env={ab.CORRUPT_ENV: "3"})
+    p = bench("--nproc", "1", *TINY, "--no-check", env={bs.CORRUPT_ENV: "3"})
     assert p.returncode == 0, p.stderr
     assert {r[8] for r in data_rows(p.stdout)} == {"N/A"}
 
@@ -188,7 +200,7 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
 
 # ---------------------------------------------------------------------------- errors
 def _probe(engine: str) -> str | None:
-    return ab.availability(engine, "cpu")
+    return be.availability(engine, "cpu")
 
 
 @pytest.mark.timeout(60)
