@@ -41,7 +41,10 @@ class Engine:
         raise NotImplementedError
 
     def reduce_host(self, v: np.ndarray[Any, Any], rop: str) -> np.ndarray[Any, Any]:
-        """All-reduce a small float64 host vector (``max`` or ``sum``), for statistics."""
+        """All-reduce a small float64 host vector (``max`` or ``sum``), for statistics.
+
+        Returns the result, which need not be ``v`` itself (the GPU engine reduces a device
+        copy): callers must use the return value."""
         self.run("all_reduce", v, None, rop, async_op=False)  # in place on the host
         return v
 

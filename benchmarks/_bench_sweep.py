@@ -159,11 +159,11 @@ def run_sweep(eng: Engine, args: argparse.Namespace, label: str) -> list[dict[st
         x[...] = eng.xp.asarray(_data(eng.rank, 0, 0, x.size, dtype))
         iters = args.iters or auto_iters(nbytes)
         blocks = _timed_blocks(eng, args, x, out, iters)
-        eng.reduce_host(blocks, "max")  # a block lasts as long as its slowest rank
+        blocks = eng.reduce_host(blocks, "max")  # a block lasts as long as its slowest rank
         wrong = np.zeros(1, dtype=np.float64)
         if args.check:
             wrong[0] = check(eng, args.op, x, out, count, dtype, args.reduce_op)
-        eng.reduce_host(wrong, "sum")
+        wrong = eng.reduce_host(wrong, "sum")
         t = float(np.median(blocks))
         size = count * dtype.itemsize
         algbw = size / t / 1e9
