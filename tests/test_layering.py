@@ -1,0 +1,134 @@
+"""The house rules, checked on the source: imports go down the stack, and rooms stay small.
+
+The stack (docs/design.md): tensorlib <- collectives <- ddp and remote; ddp and remote do not
+import each other; nothing in a library imports benchmarks or examples; and a package reaches
+into another only through its public modules (no ``collectives._registry`` from benchmarks).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARIES = ("tensorlib", "collectives", "ddp", "remote")
+USERS = ("benchmarks", "examples")
+# What each top-level package may import of the project's own packages.
+ALLOWED: dict[str, set[str]] = {
+    "tensorlib": set(),
+    "collectives": {"tensorlib"},
+    "ddp": {"tensorlib", "collectives"},
+    "remote": {"tensorlib", "collectives"},
+    "benchmarks": {"tensorlib", "collectives", "ddp", "remote"},
+    "examples": {"tensorlib", "collectives", "ddp", "remote"},
+}
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
+
+
+def _sources(packages: tuple[str, ...]) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py") if p.is_file())
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Every module ``source`` (the text of ``module``) imports, relative ones resolved,
+    including imports inside functions (lazy imports count too)."""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append(target)
+            # `from pkg import _private_module` names a module too.
+            found.extend(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def violations(path: Path, source: str | None = None) -> list[str]:
+    """The imports of ``path`` that break the layering or reach into a private module."""
+    module = _module_name(path)
+    owner = module.split(".")[0]
+    text = path.read_text() if source is None else source
+    bad: list[str] = []
+    for target in imported_modules(text, module, path.name == "__init__.py"):
+        top = target.split(".")[0]
+        if top not in ALLOWED or top == owner:
+            continue
+        if top not in ALLOWED[owner]:
+            bad.append(f"{module} imports {target} ({owner} may not import {top})")
+        elif any(part.startswith("_") and not part.startswith("__") for part in target.split(".")):
+            bad.append(f"{module} imports {target}, a private module of {top}")
+    return bad
+
+
+def test_imports_go_down_the_stack_and_only_through_public_modules() -> None:
+    bad = [v for path in _sources(LIBRARIES + USERS) for v in violations(path)]
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("where", "line", "complaint"),
+    [
+        ("tensorlib/_x.py", "from collectives import all_reduce", "may not import collectives"),
+        ("tensorlib/_x.py", "import ddp", "may not import ddp"),
+        ("collectives/_x.py", "from ddp._ddp import DistributedDataParallel", "may not import"),
+        ("collectives/_x.py", "def f():\n    import benchmarks.allreduce", "benchmarks"),
+        ("ddp/_x.py", "from remote import serve", "may not import remote"),
+        ("remote/_x.py", "from ddp import DataLoader", "may not import ddp"),
+        ("ddp/_x.py", "from tensorlib._tensor import Tensor", "private module of tensorlib"),
+        ("benchmarks/x.py", "from collectives import _registry", "private module"),
+        ("benchmarks/x.py", "from collectives.backends._nccl_lib import load", "private"),
+    ],
+)
+def test_the_layering_check_catches_each_kind_of_violation(
+    where: str, line: str, complaint: str
+) -> None:
+    found = violations(ROOT / where, line + "\n")
+    assert found and complaint in found[0], found
+
+
+def test_the_layering_check_allows_what_the_stack_allows() -> None:
+    ok = [
+        ("collectives/_x.py", "from tensorlib import Tensor"),
+        ("ddp/_x.py", "import collectives\nfrom tensorlib import nn"),
+        ("collectives/backends/_x.py", "from .._backend import Backend\nfrom . import _shm"),
+        ("benchmarks/x.py", "from collectives.backends.nccl import load_library"),
+    ]
+    for where, source in ok:
+        assert violations(ROOT / where, source + "\n") == [], (where, source)
+
+
+def _oversized() -> list[str]:
+    out = []
+    for path in _sources(LIBRARIES):
+        text = path.read_text()
+        name = path.relative_to(ROOT)
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{name} has {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    out.append(f"{name}:{node.lineno} {node.name}() spans {span} lines")
+    return out
+
+
+def test_no_library_module_or_function_is_oversized() -> None:
+    big = _oversized()
+    assert not big, "split these along their concepts:\n" + "\n".join(big)
