@@ -175,18 +175,18 @@ class NcclOps:
         self._settle(rc, "ncclGroupEnd", req)
 
     def _do_send(self, req: Request, work: NcclWork) -> None:
-        a = self._device_array(work, req.array, True, False)
-        if a.size:
-            p, dt = int(a.data.ptr), self._dtype(a.dtype)
-            rc = self.lib.send(p, a.size, dt, req.peer, self.comm, self._sptr)
-            self._settle(rc, "ncclSend", req)
+        self._point_to_point(req, work, self.lib.send, "ncclSend", outgoing=True)
 
     def _do_recv(self, req: Request, work: NcclWork) -> None:
-        a = self._device_array(work, req.array, False, True)
+        self._point_to_point(req, work, self.lib.recv, "ncclRecv", outgoing=False)
+
+    def _point_to_point(
+        self, req: Request, work: NcclWork, call: Any, name: str, outgoing: bool
+    ) -> None:
+        a = self._device_array(work, req.array, outgoing, not outgoing)
         if a.size:
             p, dt = int(a.data.ptr), self._dtype(a.dtype)
-            rc = self.lib.recv(p, a.size, dt, req.peer, self.comm, self._sptr)
-            self._settle(rc, "ncclRecv", req)
+            self._settle(call(p, a.size, dt, req.peer, self.comm, self._sptr), name, req)
 
     @property
     def _sptr(self) -> int:

@@ -70,6 +70,18 @@ _UFUNCS = {
 }
 
 
+def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
+    """``(start, count)`` of each round of a collective over ``total`` items, ``per`` at a
+    time; one empty round when ``total`` is 0 (every rank still posts, so all stay in step)."""
+    start = 0
+    while True:
+        m = min(per, total - start)
+        yield start, m
+        start += m
+        if start >= total:
+            return
+
+
 def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
     """``out = sources[0] op sources[1] op ...`` in order; ``out`` may be the first or second
     source itself (elementwise in place), never a later one."""
@@ -218,6 +230,14 @@ class CpuBackend(Backend):
         self._slot_parity ^= 1
         return par
 
+    def _round(self, req: Request, first: bool) -> None:
+        """The post that publishes a round's staged data (a collective's first post carries
+        its signature and checks everyone's)."""
+        if first:
+            self.sync.begin(req)
+        else:
+            self.sync.phase(req)
+
     # ------------------------------------------------------------------ collectives
     def _do_barrier(self, req: Request) -> None:
         self.sync.begin(req)
@@ -265,10 +285,7 @@ class CpuBackend(Backend):
         total = flat.size
         me, op, n = self.rank, req.reduce_op, self.size
         assert op is not None
-        start = 0
-        first = not first_done
-        while True:
-            m = min(per, total - start)
+        for i, (start, m) in enumerate(_chunks(total, per)):
             par = self._next_slot()
             bounds = self._slices(m)
             chunk = flat[start : start + m]
@@ -277,11 +294,7 @@ class CpuBackend(Backend):
             for q, (lo, hi) in enumerate(bounds):
                 if q != me and hi > lo:
                     slot[lo:hi] = chunk[lo:hi]
-            if first:
-                self.sync.begin(req)
-                first = False
-            else:
-                self.sync.phase(req)
+            self._round(req, i == 0 and not first_done)
             lo, hi = bounds[me]
             if hi > lo:
                 sources = [
@@ -294,9 +307,6 @@ class CpuBackend(Backend):
                 for q, (lo, hi) in enumerate(bounds):
                     if hi > lo:
                         chunk[lo:hi] = self.views[q].res.view(dt)[lo:hi]
-            start += m
-            if start >= total:
-                return
 
     def _all_reduce_zero_copy(self, req: Request, flat: Any, locs: list[Any]) -> None:
         dt = flat.dtype
@@ -347,48 +357,28 @@ class CpuBackend(Backend):
         flat = req.array.reshape(-1).view(np.uint8)
         total = flat.size
         root = req.root
-        start = 0
-        first = True
-        while True:
-            m = min(self.chunk, total - start)
+        for i, (start, m) in enumerate(_chunks(total, self.chunk)):
             par = self._next_slot()
             if self.rank == root and m:
                 self.mine.slots[par][:m] = flat[start : start + m]
-            if first:
-                self.sync.begin(req)
-                first = False
-            else:
-                self.sync.phase(req)
+            self._round(req, i == 0)
             if self.rank != root and m:
                 flat[start : start + m] = self.views[root].slots[par][:m]
-            start += m
-            if start >= total:
-                return
 
     def _do_all_gather(self, req: Request) -> None:
         src = req.array.reshape(-1).view(np.uint8)
         out = req.out.reshape(self.size, -1).view(np.uint8)
         total = src.size
         out[self.rank] = src
-        start = 0
-        first = True
-        while True:
-            m = min(self.chunk, total - start)
+        for i, (start, m) in enumerate(_chunks(total, self.chunk)):
             par = self._next_slot()
             if m:
                 self.mine.slots[par][:m] = src[start : start + m]
-            if first:
-                self.sync.begin(req)
-                first = False
-            else:
-                self.sync.phase(req)
+            self._round(req, i == 0)
             if m:
                 for q, peer in enumerate(self.views):
                     if q != self.rank:
                         out[q, start : start + m] = peer.slots[par][:m]
-            start += m
-            if start >= total:
-                return
 
     def _exchange_blocks(self, req: Request) -> Iterator[tuple[int, int, list[Any]]]:
         """Chunk by chunk, hand block ``j`` of the input (first axis) to rank ``j``.
@@ -402,20 +392,13 @@ class CpuBackend(Backend):
         per = max(self.chunk // (self.size * dt.itemsize), 1)
         total = blocks.shape[1]
         me, n = self.rank, self.size
-        start = 0
-        first = True
-        while True:
-            m = min(per, total - start)
+        for i, (start, m) in enumerate(_chunks(total, per)):
             par = self._next_slot()
             slot = self.mine.slots[par].view(dt)
             for j in range(n):
                 if j != me and m:
                     slot[j * per : j * per + m] = blocks[j, start : start + m]
-            if first:
-                self.sync.begin(req)
-                first = False
-            else:
-                self.sync.phase(req)
+            self._round(req, i == 0)
             pieces = [
                 blocks[me, start : start + m]
                 if q == me
@@ -423,9 +406,6 @@ class CpuBackend(Backend):
                 for q, p in enumerate(self.views)
             ]
             yield start, m, pieces
-            start += m
-            if start >= total:
-                return
 
     def _do_reduce_scatter(self, req: Request) -> None:
         out = req.out.reshape(-1)
@@ -449,51 +429,37 @@ class CpuBackend(Backend):
         total = src.size
         peer = self.views[d]
         sig = np.frombuffer(record_bytes(req.signature, req.seq), dtype=np.uint8)
-        start = 0
-        first = True
-        while True:
-            m = min(self.p2p_chunk, total - start)
+        for i, (start, m) in enumerate(_chunks(total, self.p2p_chunk)):
             idx = self._sent[d]
             # Buffer idx % 2 is free once the receiver consumed chunk idx - 2.
             if idx >= 2 and not reached(peer.acked[self.rank], idx - 1):
                 target = (idx - 1) & U32_MASK
                 self.sync.wait_word(peer.acked, self.rank, peer.acked_addr, target, req, d)
-            if first:
+            if i == 0:
                 self.mine.psig[d][idx & 1][:] = sig
-                first = False
             if m:
                 self.mine.pbuf[d][idx & 1][:m] = src[start : start + m]
             self._sent[d] = idx + 1
             self.mine.sent[d] = (idx + 1) & U32_MASK
             self.sync.wake_if_sleeping(self.mine.sent_addr + 4 * d)
-            start += m
-            if start >= total:
-                return
 
     def _do_recv(self, req: Request) -> None:
         s = req.peer
         dst = req.array.reshape(-1).view(np.uint8)
         total = dst.size
         peer = self.views[s]
-        start = 0
-        first = True
-        while True:
-            m = min(self.p2p_chunk, total - start)
+        for i, (start, m) in enumerate(_chunks(total, self.p2p_chunk)):
             idx = self._recvd[s]
             if not reached(peer.sent[self.rank], idx + 1):
                 target = (idx + 1) & U32_MASK
                 self.sync.wait_word(peer.sent, self.rank, peer.sent_addr, target, req, s)
-            if first:
-                first = False
+            if i == 0:
                 self._check_sent(req, peer.psig[self.rank][idx & 1])
             if m:
                 dst[start : start + m] = peer.pbuf[self.rank][idx & 1][:m]
             self._recvd[s] = idx + 1
             self.mine.acked[s] = (idx + 1) & U32_MASK
             self.sync.wake_if_sleeping(self.mine.acked_addr + 4 * s)
-            start += m
-            if start >= total:
-                return
 
     def _check_sent(self, req: Request, sent: Any) -> None:
         """Refuse a message whose sender's record does not match this receive."""
