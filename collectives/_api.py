@@ -16,6 +16,7 @@ from typing import Any
 from ._backend import GroupInfo
 from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
 from ._errorfile import install_excepthook
+from ._errors import where
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
@@ -231,7 +232,7 @@ def _rendezvous(env: EnvConfig, timeout: float) -> Any:
         except Exception as exc:
             missing = [r for r in range(env.world_size) if not store.check([f"init/rank/{r}"])]
             raise TimeoutError(
-                f"[rank {env.rank}] init_process_group: ranks {missing} did not join within "
+                f"{where(env.rank, 'init_process_group')}: ranks {missing} did not join within "
                 f"{timeout:.0f} s (WORLD_SIZE={env.world_size}, store "
                 f"{env.master_addr}:{env.master_port})"
             ) from exc
@@ -241,7 +242,7 @@ def _rendezvous(env: EnvConfig, timeout: float) -> Any:
         bad = {r: s for r, s in sizes.items() if s != env.world_size}
         if bad:
             raise ValueError(
-                f"[rank {env.rank}] init_process_group: ranks disagree on WORLD_SIZE: this rank "
+                f"{where(env.rank, 'init_process_group')}: ranks disagree on WORLD_SIZE: this rank "
                 f"has {env.world_size}, ranks {sorted(bad)} have {sorted(set(bad.values()))}"
             )
     except BaseException:

@@ -461,7 +461,7 @@ class NonMemberGroup:
     def __getattr__(self, name: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(
-                f"[rank {self.global_rank}] {name}: this rank is not a member of the group "
+                f"{where(self.global_rank, name)}: this rank is not a member of the group "
                 f"with ranks {list(self.ranks)}"
             )
 

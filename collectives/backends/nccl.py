@@ -55,6 +55,7 @@ from .._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerFailureError,
+    collective_error,
 )
 from .._exit import on_uncaught
 from .._registry import register_backend
@@ -559,9 +560,9 @@ def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any)
     for b in list(_LIVE):
         if b.error is None:
             with contextlib.suppress(Exception):
-                b.board.tell_abort(
-                    CollectiveError(f"[rank {b.info.global_rank}] uncaught {tp.__name__}: {value}")
-                )
+                detail = f"uncaught {tp.__name__}: {value}"
+                rank = b.info.global_rank
+                b.board.tell_abort(collective_error(CollectiveError, detail, rank=rank))
 
 
 register_backend(
