@@ -363,6 +363,26 @@ class Tensor:
             raise ValueError("set_grad_buffer: buffer must be C-contiguous")
         self._grad_buffer = buffer
 
+    def use_grad_buffer(self) -> Tensor:
+        """Make the grad buffer (see :meth:`set_grad_buffer`) this leaf's ``.grad``, as it is.
+
+        For code that fills the buffer itself: DDP copies into it a gradient that backward
+        computed elsewhere, or zeros for a parameter that got none, and then makes it
+        ``.grad``. Unlike assigning ``.grad``, nothing is checked again (``set_grad_buffer``
+        checked the buffer) and nothing is copied: ``.grad`` *is* the buffer afterwards.
+
+        Returns:
+            The buffer, now ``.grad``.
+
+        Raises:
+            RuntimeError: when this tensor has no grad buffer.
+        """
+        buf = getattr(self, "_grad_buffer", None)
+        if buf is None:
+            raise RuntimeError("use_grad_buffer: this tensor has no grad buffer (set_grad_buffer)")
+        self._grad = buf
+        return buf
+
     def zero_grad_(self) -> None:
         """Set ``.grad`` to None."""
         self._grad = None
