@@ -7,7 +7,7 @@ Its differentiable operations (one line each, onto one ``Function``) are in its 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -524,6 +524,22 @@ class Tensor(TensorOps):
         elif self.requires_grad:
             extra += ", requires_grad=True"
         return f"tensor({body}{extra})"
+
+
+def _clear_grads(tensors: Iterable[Tensor], set_to_none: bool) -> None:
+    """Clear each tensor's ``.grad``: to None, or to zeros in place (``set_to_none=False``,
+    which keeps a ``.grad`` that is a view, such as DDP's bucket views, that view).
+
+    The one implementation of ``Module.zero_grad`` and ``Optimizer.zero_grad``.
+    """
+    for t in tensors:
+        grad = t._grad
+        if grad is None:
+            continue
+        if set_to_none:
+            t._grad = None
+        else:
+            grad._data[...] = 0
 
 
 from . import _ops_elementwise as _ew  # noqa: E402

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._device import Device
 from .._dtype import is_floating
-from .._tensor import Tensor
+from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Module", "Parameter"]
 
@@ -200,13 +200,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (to None by default, or to zeros in place)."""
-        for p in self.parameters():
-            if p._grad is None:
-                continue
-            if set_to_none:
-                p._grad = None
-            else:
-                p._grad._data[...] = 0
+        _clear_grads(self.parameters(), set_to_none)
 
     def apply(self, fn: Callable[[Module], None]) -> Module:
         """Call ``fn(module)`` on every module in the tree (children first), then return self."""
