@@ -18,6 +18,7 @@ import tensorlib as tl
 from tensorlib import nn, optim
 
 from ._data import DataLoader
+from ._ddp import DistributedDataParallel
 from ._sampler import DistributedSampler, check_int
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "one_rank_only"]
@@ -26,12 +27,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _ddp_class() -> type[Any] | None:
-    """``DistributedDataParallel``, imported lazily; None while it cannot be imported."""
-    try:
-        from ._ddp import DistributedDataParallel
-    except ImportError:
-        return None
+def _ddp_class() -> type[DistributedDataParallel]:
+    """The class :func:`auto_model` wraps with (tests put a stand-in here)."""
     return DistributedDataParallel
 
 
@@ -82,18 +79,18 @@ def auto_model(module: nn.Module, device: str | tl.Device | None = None, **ddp_k
     Raises:
         TypeError: when ``module`` is not an ``nn.Module`` or an option is unknown.
         ValueError: when ``module`` is already wrapped.
-        RuntimeError: when DDP is needed but cannot be imported.
+        RuntimeError: when ``device`` is None, the backend is nccl and no GPU is visible
+            (see :func:`default_device`).
     """
     ddp_cls = _ddp_class()
-    if ddp_cls is not None and isinstance(module, ddp_cls):
+    if isinstance(module, ddp_cls):
         raise ValueError("auto_model: the module is already wrapped in DistributedDataParallel")
     if not isinstance(module, nn.Module):
         raise TypeError(f"auto_model: module must be a tensorlib nn.Module, got {type(module)!r}")
-    if ddp_cls is not None:
-        try:
-            inspect.signature(ddp_cls).bind(module, **ddp_kwargs)
-        except TypeError as exc:
-            raise TypeError(f"auto_model: bad DistributedDataParallel options: {exc}") from None
+    try:
+        inspect.signature(ddp_cls).bind(module, **ddp_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"auto_model: bad DistributedDataParallel options: {exc}") from None
     group = ddp_kwargs.get("process_group")
     world = group.size if group is not None else collectives.get_world_size()
     target = device if device is not None else default_device()
@@ -101,10 +98,6 @@ def auto_model(module: nn.Module, device: str | tl.Device | None = None, **ddp_k
         module.to(target)
     if world <= 1:
         return module
-    if ddp_cls is None:
-        from ._ddp import DistributedDataParallel  # re-raise the original import error
-
-        ddp_cls = DistributedDataParallel
     return ddp_cls(module, **ddp_kwargs)
 
 

@@ -271,7 +271,7 @@ class DistributedDataParallel(Module):
                     buf = b.device.xp.zeros(b.numel, dtype=b.dtype)
             b.buffer = buf
             for j, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
-                view = Tensor._wrap(buf[off : off + p.size].reshape(p.shape), b.device)
+                view = tl.from_array(buf[off : off + p.size].reshape(p.shape))
                 # An existing gradient moves into its bucket; a missing one stays None (as in
                 # a plain model, so an optimizer step before any backward changes nothing)
                 # until backward produces it and the hook moves it into the view.
@@ -339,11 +339,12 @@ class DistributedDataParallel(Module):
         bi, j = self._loc[id(p)]
         bucket = self._buckets[bi]
         view = bucket.views[j]
-        if p._grad is not view:
+        grad = p.grad
+        if grad is not view:
             # The grad was cleared (zero_grad set it to None), so backward made a new array:
             # move it into the bucket so communication and accumulation use the view again.
-            view.data[...] = p._grad.data
-            p._grad = view
+            view.data[...] = grad.data
+            p.use_grad_buffer()
         if not self._require_sync:
             # Remember it: a parameter used only in no_sync backwards still has a gradient to
             # reduce, so find_unused_parameters must not count it as unused (and drop it).
@@ -374,29 +375,56 @@ class DistributedDataParallel(Module):
 
     def _finish_backward(self) -> None:
         """End of backward: launch what is left, wait for every bucket, check nobody missed."""
-        group = self.process_group
+        missing = self._contribute_missing()
+        self._launch_ready(in_backward=False)
+        control = self._control(missing)
+        t0 = time.perf_counter()
+        error = self._wait_all(control)
+        self._record_stats(wait_s=time.perf_counter() - t0)
+        used_local = self._used.copy()
+        self._reset_step()
+        if error is not None:
+            raise error
+        if self.find_unused_parameters:
+            self._drop_unused(control)
+        elif control[0] > 0:
+            self._raise_missing(used_local)
+
+    def _contribute_missing(self) -> list[int]:
+        """Give each parameter that got no gradient in this backward its bucket view as
+        ``.grad`` (zeros, unless no_sync steps accumulated into it) and count it as ready.
+
+        Returns:
+            The indexes (into ``self._params``) of those parameters.
+        """
         missing = [k for k in range(len(self._params)) if not self._used[k]]
         for k in missing:
             p = self._params[k]
             bi, j = self._loc[id(p)]
             view = self._buckets[bi].views[j]
-            if p._grad is not view:
+            if p.grad is not view:
                 # No gradient at all: contribute zeros. (A view keeps what no_sync steps
                 # accumulated, which is this rank's contribution.)
                 view.data[...] = 0
-                p._grad = view
+                p.use_grad_buffer()
             self._pending[bi] -= 1
-        self._launch_ready(in_backward=False)
-        # One tiny all-reduce after the buckets: how many parameters some rank missed, and,
-        # with find_unused_parameters, which parameters any rank used.
+        return missing
+
+    def _control(self, missing: list[int]) -> np.ndarray[Any, Any]:
+        """The tiny vector all-reduced after the buckets: how many parameters this rank
+        missed, and, with find_unused_parameters, which parameters it used."""
         control = np.zeros(
             1 + (len(self._params) if self.find_unused_parameters else 0), dtype=np.float64
         )
         control[0] = len(missing)
         if self.find_unused_parameters:
             control[1:] = self._used | self._accumulated
-        t0 = time.perf_counter()
-        error: BaseException | None = None
+        return control
+
+    def _wait_all(self, control: np.ndarray[Any, Any]) -> BaseException | None:
+        """Wait for every bucket (copying a result that is not the bucket itself into it),
+        then all-reduce ``control`` in place; return what raised, if anything, so that the
+        step's state is reset before it propagates."""
         try:
             for b in self._buckets:
                 work = self._works[b.index]
@@ -404,40 +432,41 @@ class DistributedDataParallel(Module):
                 out = work.wait()
                 if out is not b.buffer:
                     b.buffer[...] = out if b.device.type == "cpu" else b.device.xp.asarray(out)
-            group.all_reduce(control, ReduceOp.SUM)
+            self.process_group.all_reduce(control, ReduceOp.SUM)
         except BaseException as exc:
-            error = exc
+            return exc
+        return None
+
+    def _record_stats(self, wait_s: float) -> None:
         self.stats = StepStats(
             launch_order=list(self._launch_log),
             ready_at_launch=list(self._ready_log),
             launched_in_backward=self._launched_in_backward,
-            wait_s=time.perf_counter() - t0,
+            wait_s=wait_s,
             num_params=len(self._params),
         )
-        used_local = self._used.copy()
-        self._reset_step()
-        if error is not None:
-            raise error
-        if self.find_unused_parameters:
-            for k, p in enumerate(self._params):
-                if control[1 + k] == 0:
-                    p._grad = None  # unused on every rank: no gradient, as without DDP
-            return
-        if control[0] > 0:
-            names = [
-                self._names[id(self._params[k])]
-                for k in range(len(self._params))
-                if not used_local[k]
-            ]
-            every = group.all_gather_object(names)
-            detail = "; ".join(
-                f"rank {group.ranks[r]}: {lst}" for r, lst in enumerate(every) if lst
-            )
-            raise RuntimeError(
-                f"[rank {collectives.get_rank()}] DistributedDataParallel: parameters received "
-                f"no gradient in this backward ({detail}). Pass find_unused_parameters=True if "
-                "some parameters are legitimately unused in a step"
-            )
+
+    def _drop_unused(self, control: np.ndarray[Any, Any]) -> None:
+        """find_unused_parameters: a parameter unused on every rank keeps no gradient, as
+        without DDP."""
+        for k, p in enumerate(self._params):
+            if control[1 + k] == 0:
+                p.grad = None
+
+    def _raise_missing(self, used_local: np.ndarray[Any, Any]) -> None:
+        """Some rank missed a parameter (without find_unused_parameters): raise on every rank,
+        naming each rank's missing parameters."""
+        group = self.process_group
+        names = [
+            self._names[id(self._params[k])] for k in range(len(self._params)) if not used_local[k]
+        ]
+        every = group.all_gather_object(names)
+        detail = "; ".join(f"rank {group.ranks[r]}: {lst}" for r, lst in enumerate(every) if lst)
+        raise RuntimeError(
+            f"[rank {collectives.get_rank()}] DistributedDataParallel: parameters received "
+            f"no gradient in this backward ({detail}). Pass find_unused_parameters=True if "
+            "some parameters are legitimately unused in a step"
+        )
 
     # ------------------------------------------------------------------ delegation
     def state_dict(self) -> Any:

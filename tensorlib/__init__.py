@@ -38,6 +38,7 @@ from ._api import (
 )
 from ._creation import (
     arange,
+    from_array,
     from_dlpack,
     from_numpy,
     full,
@@ -90,6 +91,7 @@ __all__ = [
     "float16",
     "float32",
     "float64",
+    "from_array",
     "from_dlpack",
     "from_numpy",
     "full",

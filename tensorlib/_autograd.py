@@ -149,6 +149,7 @@ class Function:
         raise NotImplementedError
 
     _saved_names: tuple[str, ...] = ()
+    _has_dict = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -158,6 +159,9 @@ class Function:
                 if name not in ("inputs", "freed"):
                     names.append(name)
         cls._saved_names = tuple(names)
+        # Known once per class: asking a slotted instance for its __dict__ raises inside
+        # getattr, which is slow on the backward path.
+        cls._has_dict = cls.__dictoffset__ != 0
 
     def release(self) -> None:
         """Drop saved intermediates (called by the engine once backward passed this node)."""
@@ -169,9 +173,8 @@ class Function:
                 except AttributeError:
                     pass
         # Subclasses without __slots__ (e.g. users' custom Functions) save on the instance dict.
-        saved = getattr(self, "__dict__", None)
-        if saved:
-            saved.clear()
+        if self._has_dict:
+            self.__dict__.clear()
         # Drop the edges too: they hold the input Tensors, whose arrays would otherwise stay
         # alive as long as the output does (every activation of a model while `loss` lives).
         self.inputs = ()
@@ -258,26 +261,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
             "backward(): this tensor does not require grad and has no graph "
             "(was it computed under no_grad(), or from tensors with requires_grad=False?)"
         )
-    xp = root._device.xp
-    if grad is None:
-        if root._data.size != 1:
-            raise RuntimeError(
-                f"backward(): grad can be implicitly created only for scalar outputs, but this "
-                f"tensor has shape {tuple(root.shape)}; pass gradient=... of that shape"
-            )
-        seed = xp.ones(root._data.shape, dtype=root._data.dtype)
-        seed_owned = True
-    else:
-        seed = grad._data if isinstance(grad, Tensor) else xp.asarray(grad)
-        if tuple(seed.shape) != tuple(root.shape):
-            raise RuntimeError(
-                f"backward(): gradient has shape {tuple(seed.shape)} but the tensor has shape "
-                f"{tuple(root.shape)}"
-            )
-        if seed.dtype != root._data.dtype:
-            seed = seed.astype(root._data.dtype)
-        seed_owned = False
-
+    seed, seed_owned = _seed(root, grad)
     callbacks: list[Callable[[], None]] = []
     _state.callback_stack.append(callbacks)
     outer_taken, _state.taken = _state.taken, set()
@@ -285,7 +269,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
         if root._ctx is None:
             _accumulate(root, seed, seed_owned)
         else:
-            _run_graph(root, seed, seed_owned, retain_graph)
+            _run_graph(root._ctx, seed, seed_owned, retain_graph)
         # Callbacks may queue more callbacks; run until none is left.
         i = 0
         while i < len(callbacks):
@@ -296,11 +280,88 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
         _state.taken = outer_taken
 
 
-def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) -> None:
-    # 1. Count, for every node and leaf reachable from root, how many edges feed it a gradient.
-    root_fn = root._ctx
-    assert root_fn is not None
-    deps: dict[int, int] = {}
+def _seed(root: Tensor, grad: Any | None) -> tuple[Any, bool]:
+    """The gradient backward starts from (``grad``, or ones for a scalar), and whether it is
+    the engine's own array (one it may accumulate into)."""
+    if grad is None:
+        if root._data.size != 1:
+            raise RuntimeError(
+                f"backward(): grad can be implicitly created only for scalar outputs, but this "
+                f"tensor has shape {tuple(root.shape)}; pass gradient=... of that shape"
+            )
+        return root._device.xp.ones(root._data.shape, dtype=root._data.dtype), True
+    seed = grad._data if isinstance(grad, Tensor) else root._device.xp.asarray(grad)
+    if tuple(seed.shape) != tuple(root.shape):
+        raise RuntimeError(
+            f"backward(): gradient has shape {tuple(seed.shape)} but the tensor has shape "
+            f"{tuple(root.shape)}"
+        )
+    if seed.dtype != root._data.dtype:
+        seed = seed.astype(root._data.dtype)
+    return seed, False
+
+
+# The engine keeps its bookkeeping in three places (as chainer's `_backprop` and tinygrad's
+# engine keep theirs central): how many gradients each node and leaf waits for
+# (_count_consumers), the order nodes run in (_run_graph), and which gradient arrays the
+# engine owns, so that it may sum into them in place (_collect, _shared_arrays). Gradients on
+# their way to a node or leaf wait in {id(node or leaf): (array, owned)}.
+_Waiting = dict[int, tuple[Any, bool]]
+
+
+def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: bool) -> None:
+    """Run the backward of every node below ``root_fn``, each once all its consumers have run.
+
+    Kahn's algorithm over the counts of :func:`_count_consumers`: iterative, so graph depth is
+    limited only by memory. A leaf receives its summed gradient (and fires its hooks) when its
+    last consumer has run.
+    """
+    consumers = _count_consumers(root_fn)
+    grads: _Waiting = {id(root_fn): (seed, seed_owned)}
+    ready = [root_fn]
+    while ready:
+        fn = ready.pop()
+        inputs = fn.inputs  # read before release() drops them
+        entry = grads.pop(id(fn), None)
+        # No entry: no gradient reached this node (its consumers returned None for it). Its
+        # inputs are still counted down below: otherwise a leaf also reached through another
+        # path would never reach 0 and never get its .grad or hooks.
+        if entry is not None:
+            g, g_owned = entry
+            result = fn.backward(g)
+            if not isinstance(result, tuple):
+                result = (result,)
+            if not retain_graph:
+                fn.release()
+            if len(result) != len(inputs):
+                raise RuntimeError(
+                    f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
+                    f"{len(inputs)} inputs (this is a bug in that function)"
+                )
+            _collect(grads, fn, inputs, result, g, g_owned)
+        for t in inputs:
+            if t is None:
+                continue
+            tctx = t._ctx
+            key = id(tctx) if tctx is not None else id(t)
+            left = consumers[key] - 1
+            consumers[key] = left
+            if left == 0:
+                if tctx is not None:
+                    ready.append(tctx)  # with or without a gradient (see above)
+                else:
+                    done = grads.pop(key, None)
+                    if done is not None:
+                        _accumulate(t, done[0], done[1])
+
+
+def _count_consumers(root_fn: Function) -> dict[int, int]:
+    """For every node and leaf below ``root_fn`` (by id), how many edges feed it a gradient.
+
+    Raises:
+        RuntimeError: when a node's saved intermediates were freed by an earlier backward.
+    """
+    counts: dict[int, int] = {}
     seen = {id(root_fn)}
     stack = [root_fn]
     while stack:
@@ -314,104 +375,96 @@ def _run_graph(root: Tensor, seed: Any, seed_owned: bool, retain_graph: bool) ->
         for t in fn.inputs:
             if t is None:
                 continue
-            node: Any = t._ctx if t._ctx is not None else t
-            key = id(node)
-            deps[key] = deps.get(key, 0) + 1
-            if t._ctx is not None and key not in seen:
-                seen.add(key)
-                stack.append(t._ctx)
-
-    # 2. Kahn's algorithm: a node runs once every consumer has given it its gradient.
-    grads: dict[int, tuple[Any, bool]] = {id(root_fn): (seed, seed_owned)}
-    ready = [root_fn]
-    while ready:
-        fn = ready.pop()
-        inputs = fn.inputs  # read before release() drops them
-        entry = grads.pop(id(fn), None)
-        if entry is None:
-            # No gradient reached this node (its consumers returned None for it). Its inputs
-            # still count this edge in `deps`, so pass None on: otherwise a leaf also reached
-            # through another path would never reach 0 and never get its .grad or hooks.
-            result: Any = (None,) * len(inputs)
-            g, g_owned = None, False
-        else:
-            g, g_owned = entry
-            result = fn.backward(g)
-            if not isinstance(result, tuple):
-                result = (result,)
-            if not retain_graph:
-                fn.release()
-        if len(result) != len(inputs):
-            raise RuntimeError(
-                f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
-                f"{len(inputs)} inputs (this is a bug in that function)"
-            )
-        # Ownership: a gradient may be accumulated into in place (or become a leaf's .grad
-        # without a copy) only if nothing else can see it. An array returned for two inputs
-        # (Add returns g twice) is shared by both; g itself is shared if a view of it escaped.
-        shared: set[int] | None = None
-        any_view = False
-        if len(result) > 1:
-            seen_ids: set[int] = set()
-            for t, r in zip(inputs, result, strict=True):
-                if t is None or r is None:
-                    continue
-                rid = id(r)
-                if rid in seen_ids:
-                    if shared is None:
-                        shared = set()
-                    shared.add(rid)
-                seen_ids.add(rid)
-                if r is not g and r.base is not None:
-                    any_view = True
-        for t, gi in zip(inputs, result, strict=True):
-            if t is None:
-                continue
             tctx = t._ctx
             key = id(tctx) if tctx is not None else id(t)
-            if gi is None:
-                owned = False
-            else:
-                if shared is not None and id(gi) in shared:
-                    owned = False
-                elif gi is g:
-                    owned = g_owned and not any_view
-                elif getattr(gi, "base", None) is None:
-                    owned = True
-                else:
-                    # The leaf's grad buffer (see take_grad_buffer) is meant to become .grad.
-                    buf = getattr(t, "_grad_buffer", None) if tctx is None else None
-                    owned = buf is not None and gi is buf._data
-                if isinstance(gi, np.generic):
-                    gi = np.asarray(gi)
-                    owned = True
-                tshape = t._data.shape
-                if gi.shape != tshape:
-                    gi = _unbroadcast(fn, gi, tshape)
-                    owned = owned or _owns(gi)
-                if gi.dtype != t._data.dtype:
-                    gi = gi.astype(t._data.dtype)
-                    owned = True
-                prev = grads.get(key)
-                if prev is not None:
-                    pg, powned = prev
-                    if powned:
-                        pg += gi
-                    else:
-                        grads[key] = (pg + gi, True)
-                else:
-                    grads[key] = (gi, owned)
-            remaining = deps[key] - 1
-            deps[key] = remaining
-            if remaining == 0:
-                if tctx is not None:
-                    ready.append(tctx)  # with or without a gradient (see above)
-                else:
-                    entry = grads.get(key)
-                    if entry is None:
-                        continue
-                    del grads[key]
-                    _accumulate(t, entry[0], entry[1])
+            counts[key] = counts.get(key, 0) + 1
+            if tctx is not None and key not in seen:
+                seen.add(key)
+                stack.append(tctx)
+    return counts
+
+
+def _collect(
+    grads: _Waiting,
+    fn: Function,
+    inputs: tuple[Tensor | None, ...],
+    result: tuple[Any, ...],
+    g: Any,
+    g_owned: bool,
+) -> None:
+    """Add the gradients ``fn.backward(g)`` returned into what ``fn``'s inputs wait for.
+
+    Each is first brought to its input's shape (un-broadcast: the one place that happens) and
+    dtype. Ownership: a gradient may be summed into in place, or become a leaf's ``.grad``
+    without a copy, only if nothing else can see it. New arrays are owned; ``g`` is owned as
+    far as it was (``g_owned``) unless a view of it escaped; an array returned for two inputs
+    is owned by neither (see :func:`_shared_arrays`); any other view is owned only when it is
+    the leaf's grad buffer (see :func:`take_grad_buffer`), which is meant to become ``.grad``.
+    """
+    shared = None
+    if len(result) > 1:
+        shared, g_owned = _shared_arrays(inputs, result, g, g_owned)
+    # strict=False: the caller checked the lengths, and a strict zip costs time on this path.
+    for t, r in zip(inputs, result, strict=False):
+        if t is None or r is None:
+            continue
+        if shared is not None and id(r) in shared:
+            owned = False
+        elif r is g:
+            owned = g_owned
+        elif getattr(r, "base", None) is None:
+            owned = True
+        else:
+            buf = getattr(t, "_grad_buffer", None) if t._ctx is None else None
+            owned = buf is not None and r is buf._data
+        if isinstance(r, np.generic):
+            r = np.asarray(r)
+            owned = True
+        data = t._data
+        if r.shape != data.shape:
+            r = _unbroadcast(fn, r, data.shape)
+            owned = owned or _owns(r)
+        if r.dtype != data.dtype:
+            r = r.astype(data.dtype)
+            owned = True
+        tctx = t._ctx
+        key = id(tctx) if tctx is not None else id(t)
+        prev = grads.get(key)
+        if prev is None:
+            grads[key] = (r, owned)
+        elif prev[1]:
+            acc = prev[0]
+            acc += r  # ours alone: sum in place
+        else:
+            grads[key] = (prev[0] + r, True)
+
+
+def _shared_arrays(
+    inputs: tuple[Tensor | None, ...], result: tuple[Any, ...], g: Any, g_owned: bool
+) -> tuple[set[int] | None, bool]:
+    """Ids of the arrays ``result`` gives to more than one input (None: no such array), and
+    whether the engine still owns ``g`` (not if some other gradient is a view that escaped)."""
+    if len(result) == 2:  # binary ops: the common case, without a set
+        r0, r1 = result
+        if inputs[0] is None or inputs[1] is None or r0 is None or r1 is None:
+            return None, g_owned  # one gradient goes on at most: nothing to share
+        view = (r0 is not g and r0.base is not None) or (r1 is not g and r1.base is not None)
+        return ({id(r0)} if r0 is r1 else None), g_owned and not view
+    shared: set[int] | None = None
+    any_view = False
+    seen: set[int] = set()
+    for t, r in zip(inputs, result, strict=False):
+        if t is None or r is None:
+            continue
+        rid = id(r)
+        if rid in seen:
+            if shared is None:
+                shared = set()
+            shared.add(rid)
+        seen.add(rid)
+        if r is not g and r.base is not None:
+            any_view = True
+    return shared, g_owned and not any_view
 
 
 def take_grad_buffer(t: Tensor | None) -> Any | None:

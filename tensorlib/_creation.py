@@ -14,6 +14,7 @@ from ._tensor import Tensor, _check_array_dtype
 
 __all__ = [
     "arange",
+    "from_array",
     "from_dlpack",
     "from_numpy",
     "full",
@@ -87,6 +88,28 @@ def from_numpy(array: np.ndarray[Any, Any]) -> Tensor:
         raise TypeError(f"from_numpy expects a numpy.ndarray, got {type(array).__name__}")
     _check_array_dtype(array)
     return Tensor._wrap(array, CPU)
+
+
+def from_array(array: Any) -> Tensor:
+    """Wrap a NumPy or CuPy array without copying (they share memory), on its own device.
+
+    Like ``torch.as_tensor`` on an array of the right kind: no copy, no dtype conversion, so
+    writes to either show in the other. The tensor does not require grad. A NumPy scalar
+    becomes a 0-d tensor.
+
+    Args:
+        array: a ``numpy.ndarray``, NumPy scalar or ``cupy.ndarray`` of a supported dtype.
+
+    Returns:
+        A tensor whose ``.data`` is ``array``.
+
+    Raises:
+        TypeError: when ``array`` is not a NumPy or CuPy array, or its dtype is unsupported.
+    """
+    if not _is_array(array):
+        raise TypeError(f"from_array expects a NumPy or CuPy array, got {type(array).__name__}")
+    _check_array_dtype(array)
+    return Tensor._wrap(array, device_of(array))
 
 
 def from_dlpack(obj: Any) -> Tensor:

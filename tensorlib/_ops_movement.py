@@ -125,14 +125,18 @@ class Getitem(Function):
         return grad
 
 
+def _xp_of_all(arrays: tuple[Any, ...], verb: str) -> Any:
+    """The array module (NumPy or CuPy) for joining ``arrays``; at least one is required."""
+    if not arrays:
+        raise ValueError(f"need at least one tensor to {verb}")
+    return xp_of(next(a for a in arrays if hasattr(a, "shape")))
+
+
 class Concatenate(Function):
     __slots__ = ("axis", "sizes")
 
     def forward(self, *arrays: Any, axis: int = 0) -> Any:
-        if not arrays:
-            raise ValueError("need at least one tensor to concatenate")
-        xp = xp_of(next(a for a in arrays if hasattr(a, "shape")))
-        out = xp.concatenate(arrays, axis=axis)
+        out = _xp_of_all(arrays, "concatenate").concatenate(arrays, axis=axis)
         self.axis = axis % out.ndim
         self.sizes = [a.shape[self.axis] for a in arrays]
         return out
@@ -151,10 +155,7 @@ class Stack(Function):
     __slots__ = ("axis",)
 
     def forward(self, *arrays: Any, axis: int = 0) -> Any:
-        if not arrays:
-            raise ValueError("need at least one tensor to stack")
-        xp = xp_of(next(a for a in arrays if hasattr(a, "shape")))
-        out = xp.stack(arrays, axis=axis)
+        out = _xp_of_all(arrays, "stack").stack(arrays, axis=axis)
         self.axis = axis % out.ndim
         return out
 

@@ -1,9 +1,13 @@
-"""The :class:`Tensor`: one NumPy or CuPy array plus what autodiff needs."""
+"""The :class:`Tensor`: one NumPy or CuPy array plus what autodiff needs.
+
+Its differentiable operations (one line each, onto one ``Function``) are in its base class,
+:class:`~tensorlib._tensor_ops.TensorOps`.
+"""
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -11,10 +15,9 @@ import numpy as np
 from . import _autograd
 from ._device import CPU, Device, device_of
 from ._dtype import SUPPORTED, is_floating, normalize_dtype
+from ._tensor_ops import Scalar, TensorOps
 
 __all__ = ["Tensor"]
-
-Scalar = int | float | bool
 
 
 def _check_array_dtype(array: Any) -> None:
@@ -41,7 +44,7 @@ def _value_on(value: Any, device: Device) -> Any:
     return value
 
 
-class Tensor:
+class Tensor(TensorOps):
     """An n-dimensional array on a device, with reverse-mode autodiff.
 
     Build tensors with :func:`tensorlib.tensor`, :func:`tensorlib.zeros` and friends, or
@@ -363,6 +366,26 @@ class Tensor:
             raise ValueError("set_grad_buffer: buffer must be C-contiguous")
         self._grad_buffer = buffer
 
+    def use_grad_buffer(self) -> Tensor:
+        """Make the grad buffer (see :meth:`set_grad_buffer`) this leaf's ``.grad``, as it is.
+
+        For code that fills the buffer itself: DDP copies into it a gradient that backward
+        computed elsewhere, or zeros for a parameter that got none, and then makes it
+        ``.grad``. Unlike assigning ``.grad``, nothing is checked again (``set_grad_buffer``
+        checked the buffer) and nothing is copied: ``.grad`` *is* the buffer afterwards.
+
+        Returns:
+            The buffer, now ``.grad``.
+
+        Raises:
+            RuntimeError: when this tensor has no grad buffer.
+        """
+        buf = getattr(self, "_grad_buffer", None)
+        if buf is None:
+            raise RuntimeError("use_grad_buffer: this tensor has no grad buffer (set_grad_buffer)")
+        self._grad = buf
+        return buf
+
     def zero_grad_(self) -> None:
         """Set ``.grad`` to None."""
         self._grad = None
@@ -404,56 +427,9 @@ class Tensor:
         """Set every element to zero."""
         return self.fill_(0)
 
-    # ------------------------------------------------------------------ operators
-    def __add__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(self, other)
-
-    def __radd__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(other, self)
-
-    def __sub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(self, other)
-
-    def __rsub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(other, self)
-
-    def __mul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(self, other)
-
-    def __rmul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(other, self)
-
-    def __truediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(self, other)
-
-    def __rtruediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(other, self)
-
-    def __pow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(self, other)
-
-    def __rpow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(other, self)
-
-    def __neg__(self) -> Tensor:
-        return _ew.Neg.apply(self)
-
-    def __pos__(self) -> Tensor:
-        return self
-
-    def __abs__(self) -> Tensor:
-        return _ew.Abs.apply(self)
-
-    def __matmul__(self, other: Any) -> Tensor:
-        return _la.Matmul.apply(self, other)
-
-    def __rmatmul__(self, other: Any) -> Tensor:
-        return _la.Matmul.apply(other, self)
-
-    def __getitem__(self, index: Any) -> Tensor:
-        return _mv.Getitem.apply(self, index=_mv.normalize_index(index, self._device))
-
-    # Comparisons give bool tensors and are not differentiable.
+    # ------------------------------------------------------------------ not differentiable
+    # Comparisons give bool tensors; they, argmax/argmin and any/all are not differentiable
+    # (no Function), so they live here rather than with the operations in TensorOps.
     def _compare(self, other: Any, op: Callable[[Any, Any], Any]) -> Tensor:
         # Why: comparisons bypass Function.apply, so without this check a CPU and a GPU
         # tensor met inside NumPy/CuPy, which raised "Unsupported type numpy.ndarray".
@@ -483,6 +459,8 @@ class Tensor:
     def __ne__(self, other: Any) -> Tensor:  # type: ignore[override]
         return self._compare(other, lambda a, b: a != b)
 
+    __hash__ = object.__hash__  # defining __eq__ would otherwise make tensors unhashable
+
     def __invert__(self) -> Tensor:
         return Tensor._wrap(~self._data, self._device)
 
@@ -492,8 +470,25 @@ class Tensor:
     def __or__(self, other: Any) -> Tensor:
         return self._compare(other, lambda a, b: a | b)
 
-    __hash__ = object.__hash__
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Indices of the maxima (not differentiable)."""
+        out = self._data.argmax(axis=axis, keepdims=keepdims)
+        return Tensor._wrap(out, self._device)
 
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Indices of the minima (not differentiable)."""
+        out = self._data.argmin(axis=axis, keepdims=keepdims)
+        return Tensor._wrap(out, self._device)
+
+    def any(self) -> Tensor:
+        """True if any element is true (not differentiable)."""
+        return Tensor._wrap(self._data.any(), self._device)
+
+    def all(self) -> Tensor:
+        """True if all elements are true (not differentiable)."""
+        return Tensor._wrap(self._data.all(), self._device)
+
+    # ------------------------------------------------------------------ Python protocols
     def __len__(self) -> int:
         if self._data.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
@@ -530,165 +525,22 @@ class Tensor:
             extra += ", requires_grad=True"
         return f"tensor({body}{extra})"
 
-    # ------------------------------------------------------------------ elementwise
-    def exp(self) -> Tensor:
-        """Elementwise e**x."""
-        return _ew.Exp.apply(self)
 
-    def log(self) -> Tensor:
-        """Elementwise natural logarithm."""
-        return _ew.Log.apply(self)
+def _clear_grads(tensors: Iterable[Tensor], set_to_none: bool) -> None:
+    """Clear each tensor's ``.grad``: to None, or to zeros in place (``set_to_none=False``,
+    which keeps a ``.grad`` that is a view, such as DDP's bucket views, that view).
 
-    def sqrt(self) -> Tensor:
-        """Elementwise square root."""
-        return _ew.Sqrt.apply(self)
-
-    def tanh(self) -> Tensor:
-        """Elementwise hyperbolic tangent."""
-        return _ew.Tanh.apply(self)
-
-    def sigmoid(self) -> Tensor:
-        """Elementwise logistic sigmoid (numerically stable)."""
-        return _ew.Sigmoid.apply(self)
-
-    def relu(self) -> Tensor:
-        """Elementwise max(x, 0)."""
-        return _ew.Relu.apply(self)
-
-    def gelu(self) -> Tensor:
-        """GELU, tanh approximation."""
-        return _ew.Gelu.apply(self)
-
-    def abs(self) -> Tensor:
-        """Elementwise absolute value."""
-        return _ew.Abs.apply(self)
-
-    def clip(self, min: Scalar | None = None, max: Scalar | None = None) -> Tensor:
-        """Clamp values to [min, max]; gradient flows where min <= x <= max."""
-        return _ew.Clip.apply(self, lo=min, hi=max)
-
-    def maximum(self, other: Any) -> Tensor:
-        """Elementwise maximum with broadcasting."""
-        return _ew.Maximum.apply(self, other)
-
-    def minimum(self, other: Any) -> Tensor:
-        """Elementwise minimum with broadcasting."""
-        return _ew.Minimum.apply(self, other)
-
-    # ------------------------------------------------------------------ reductions
-    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Sum over ``axis`` (all axes when None)."""
-        return _rd.Sum.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
-
-    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Mean over ``axis`` (all axes when None)."""
-        return _rd.Mean.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
-
-    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Maximum over ``axis``; ties share the gradient equally."""
-        return _rd.Max.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
-
-    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Minimum over ``axis``; ties share the gradient equally."""
-        return _rd.Min.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
-
-    def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Population variance over ``axis`` (composed from mean)."""
-        mu = self.mean(axis=axis, keepdims=True)
-        d = self - mu
-        return (d * d).mean(axis=axis, keepdims=keepdims)
-
-    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
-        """Indices of the maxima (not differentiable)."""
-        out = self._data.argmax(axis=axis, keepdims=keepdims)
-        return Tensor._wrap(out, self._device)
-
-    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
-        """Indices of the minima (not differentiable)."""
-        out = self._data.argmin(axis=axis, keepdims=keepdims)
-        return Tensor._wrap(out, self._device)
-
-    def any(self) -> Tensor:
-        """True if any element is true (not differentiable)."""
-        return Tensor._wrap(self._data.any(), self._device)
-
-    def all(self) -> Tensor:
-        """True if all elements are true (not differentiable)."""
-        return Tensor._wrap(self._data.all(), self._device)
-
-    # ------------------------------------------------------------------ movement
-    def reshape(self, *shape: Any) -> Tensor:
-        """Reshape (one dimension may be -1)."""
-        if len(shape) == 1 and isinstance(shape[0], tuple | list):
-            shape = tuple(shape[0])
-        return _mv.Reshape.apply(self, shape=tuple(int(s) for s in shape))
-
-    def view(self, *shape: Any) -> Tensor:
-        """Alias of :meth:`reshape`."""
-        return self.reshape(*shape)
-
-    def flatten(self, start_axis: int = 0) -> Tensor:
-        """Merge dimensions from ``start_axis`` on into one."""
-        return self.reshape(*self.shape[:start_axis], -1)
-
-    def transpose(self, *axes: Any) -> Tensor:
-        """Permute axes (NumPy semantics: no axes reverses them)."""
-        if len(axes) == 1 and isinstance(axes[0], tuple | list):
-            axes = tuple(axes[0])
-        if not axes:
-            axes = tuple(range(self.ndim - 1, -1, -1))
-        return _mv.Transpose.apply(self, axes=_mv.norm_perm(axes, self.ndim))
-
-    def permute(self, *axes: Any) -> Tensor:
-        """Permute axes to the given order."""
-        return self.transpose(*axes)
-
-    def swapaxes(self, a: int, b: int) -> Tensor:
-        """Swap two axes."""
-        perm = list(range(self.ndim))
-        perm[a], perm[b] = perm[b], perm[a]
-        return self.transpose(tuple(perm))
-
-    def expand(self, *shape: Any) -> Tensor:
-        """Broadcast to ``shape`` (-1 keeps a dimension)."""
-        if len(shape) == 1 and isinstance(shape[0], tuple | list):
-            shape = tuple(shape[0])
-        lead = len(shape) - self.ndim
-        full = tuple(
-            self.shape[i - lead] if (s == -1 and i >= lead) else int(s) for i, s in enumerate(shape)
-        )
-        return _mv.BroadcastTo.apply(self, shape=full)
-
-    def broadcast_to(self, shape: Sequence[int]) -> Tensor:
-        """Broadcast to ``shape`` (NumPy rules)."""
-        return _mv.BroadcastTo.apply(self, shape=tuple(int(s) for s in shape))
-
-    def squeeze(self, axis: int | None = None) -> Tensor:
-        """Remove size-1 dimensions (or only ``axis``)."""
-        if axis is None:
-            return self.reshape(*[s for s in self.shape if s != 1])
-        ax = axis % self.ndim
-        if self.shape[ax] != 1:
-            raise ValueError(f"squeeze: axis {axis} has size {self.shape[ax]}, not 1")
-        return self.reshape(*(self.shape[:ax] + self.shape[ax + 1 :]))
-
-    def unsqueeze(self, axis: int) -> Tensor:
-        """Insert a size-1 dimension at ``axis``."""
-        ax = axis % (self.ndim + 1) if axis < 0 else axis
-        return self.reshape(*(self.shape[:ax] + (1,) + self.shape[ax:]))
-
-    # ------------------------------------------------------------------ nn helpers
-    def softmax(self, axis: int = -1) -> Tensor:
-        """Softmax along ``axis`` (numerically stable)."""
-        return _nnf.Softmax.apply(self, axis=axis)
-
-    def log_softmax(self, axis: int = -1) -> Tensor:
-        """Log-softmax along ``axis`` (numerically stable)."""
-        return _nnf.LogSoftmax.apply(self, axis=axis)
+    The one implementation of ``Module.zero_grad`` and ``Optimizer.zero_grad``.
+    """
+    for t in tensors:
+        grad = t._grad
+        if grad is None:
+            continue
+        if set_to_none:
+            t._grad = None
+        else:
+            grad._data[...] = 0
 
 
 from . import _ops_elementwise as _ew  # noqa: E402
-from . import _ops_linalg as _la  # noqa: E402
 from . import _ops_movement as _mv  # noqa: E402
-from . import _ops_nn as _nnf  # noqa: E402
-from . import _ops_reduce as _rd  # noqa: E402

@@ -1,40 +1,8 @@
 """Neural-network building blocks: Module, Parameter, layers and losses."""
 
-from . import init
-from ._layers import (
-    GELU,
-    CrossEntropyLoss,
-    Dropout,
-    Embedding,
-    Flatten,
-    Identity,
-    LayerNorm,
-    Linear,
-    ModuleList,
-    MSELoss,
-    ReLU,
-    Sequential,
-    Sigmoid,
-    Tanh,
-)
+from . import _layers, init
+from ._layers import *  # noqa: F403  (the layers and losses: listed once, in _layers.__all__)
 from ._module import Module, Parameter
 
-__all__ = [
-    "GELU",
-    "CrossEntropyLoss",
-    "Dropout",
-    "Embedding",
-    "Flatten",
-    "Identity",
-    "LayerNorm",
-    "Linear",
-    "MSELoss",
-    "Module",
-    "ModuleList",
-    "Parameter",
-    "ReLU",
-    "Sequential",
-    "Sigmoid",
-    "Tanh",
-    "init",
-]
+__all__ = ["Module", "Parameter", "init"]
+__all__ += _layers.__all__

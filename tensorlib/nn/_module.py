@@ -8,7 +8,7 @@ from typing import Any
 
 from .._device import Device
 from .._dtype import is_floating
-from .._tensor import Tensor
+from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Module", "Parameter"]
 
@@ -135,15 +135,20 @@ class Module:
             if m is not None:
                 yield m
 
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
-        """Yield (qualified name, parameter) in registration order; shared ones once."""
+    def _named_tensors(self, kind: str, prefix: str) -> Iterator[tuple[str, Any]]:
+        """Yield (qualified name, tensor) from every module's ``kind`` dict (``"_parameters"``
+        or ``"_buffers"``) in registration order; a tensor registered twice comes once."""
         seen: set[int] = set()
         for mname, mod in self.named_modules(prefix):
-            for pname, p in mod._parameters.items():
-                if p is None or id(p) in seen:
+            for name, t in getattr(mod, kind).items():
+                if t is None or id(t) in seen:
                     continue
-                seen.add(id(p))
-                yield (f"{mname}.{pname}" if mname else pname), p
+                seen.add(id(t))
+                yield (f"{mname}.{name}" if mname else name), t
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """Yield (qualified name, parameter) in registration order; shared ones once."""
+        return self._named_tensors("_parameters", prefix)
 
     def parameters(self) -> Iterator[Parameter]:
         """Yield every parameter once."""
@@ -152,13 +157,7 @@ class Module:
 
     def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
         """Yield (qualified name, buffer)."""
-        seen: set[int] = set()
-        for mname, mod in self.named_modules(prefix):
-            for bname, b in mod._buffers.items():
-                if b is None or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                yield (f"{mname}.{bname}" if mname else bname), b
+        return self._named_tensors("_buffers", prefix)
 
     def buffers(self) -> Iterator[Tensor]:
         """Yield every buffer once."""
@@ -200,13 +199,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (to None by default, or to zeros in place)."""
-        for p in self.parameters():
-            if p._grad is None:
-                continue
-            if set_to_none:
-                p._grad = None
-            else:
-                p._grad._data[...] = 0
+        _clear_grads(self.parameters(), set_to_none)
 
     def apply(self, fn: Callable[[Module], None]) -> Module:
         """Call ``fn(module)`` on every module in the tree (children first), then return self."""

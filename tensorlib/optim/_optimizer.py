@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .._tensor import Tensor
+from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Optimizer"]
 
@@ -55,14 +55,7 @@ class Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter (to None by default)."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p._grad is None:
-                    continue
-                if set_to_none:
-                    p._grad = None
-                else:
-                    p._grad._data[...] = 0
+        _clear_grads((p for g in self.param_groups for p in g["params"]), set_to_none)
 
     def step(self) -> None:
         """Update every parameter that has a gradient."""

@@ -256,15 +256,7 @@ def _equivalence_case(
         ref_opt.zero_grad(set_to_none=set_to_none)
         calls.append([])
         lasts.append([])
-        # DDP: this rank's micro-batches; the first accum-1 accumulate locally under no_sync.
-        for micro in range(accum):
-            rows = data.rows(rank, step, micro)
-            x, y = data.xy(rows)
-            sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
-            with sync:
-                use = _uses_branch(pattern, rank, step, micro, accum)
-                loss = _mse(ddp(x, use_branch=use), y) * (1.0 / accum)
-                loss.backward()
+        _ddp_backward(ddp, data, pattern, rank, step, accum)
         launch_orders.append(list(ddp.stats.launch_order))
         none_after.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
         if hook_kind == "record":
@@ -274,33 +266,9 @@ def _equivalence_case(
                     np.shares_memory(p.grad.data, b) for b in bucket_buffers.values()
                 ):
                     not_views.append(name)
-        # Reference: one process, one backward over every sample of this step (all ranks, all
-        # micro-batches); the mean over all of them is what averaging rank means gives.
-        by_flag: dict[bool, list[np.ndarray[Any, Any]]] = {False: [], True: []}
-        for r in range(world):
-            for micro in range(accum):
-                by_flag[_uses_branch(pattern, r, step, micro, accum)].append(
-                    data.rows(r, step, micro)
-                )
-        total = world * accum * batch * D_OUT
-        ref_loss: Tensor | None = None
-        for flag, parts in by_flag.items():
-            if not parts:
-                continue
-            x, y = data.xy(np.concatenate(parts))
-            part = ((ref(x, use_branch=flag) - y) ** 2).sum() * (1.0 / total)
-            ref_loss = part if ref_loss is None else ref_loss + part
-        assert ref_loss is not None
-        ref_loss.backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            if (p.grad is None) != (q.grad is None):
-                raise AssertionError(
-                    f"step {step}: {name}.grad is {'None' if p.grad is None else 'set'} with "
-                    f"DDP but {'None' if q.grad is None else 'set'} in the reference"
-                )
-            if p.grad is not None and q.grad is not None:
-                grad_diff = max(grad_diff, float(np.max(np.abs(p.grad.data - q.grad.data))))
-                grad_scale = max(grad_scale, float(np.max(np.abs(q.grad.data))))
+        _reference_backward(ref, data, pattern, world, step, accum, batch)
+        diff, scale = _grad_differences(model, ref, step)
+        grad_diff, grad_scale = max(grad_diff, diff), max(grad_scale, scale)
         opt.step()
         ref_opt.step()
 
@@ -325,6 +293,57 @@ def _equivalence_case(
         "not_views": sorted(set(not_views)),
         "sampler": data.sampler,
     }
+
+
+def _ddp_backward(
+    ddp: DistributedDataParallel, data: Shards, pattern: str, rank: int, step: int, accum: int
+) -> None:
+    """DDP: this rank's micro-batches; the first accum-1 accumulate locally under no_sync."""
+    for micro in range(accum):
+        rows = data.rows(rank, step, micro)
+        x, y = data.xy(rows)
+        sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
+        with sync:
+            use = _uses_branch(pattern, rank, step, micro, accum)
+            loss = _mse(ddp(x, use_branch=use), y) * (1.0 / accum)
+            loss.backward()
+
+
+def _reference_backward(
+    ref: Net, data: Shards, pattern: str, world: int, step: int, accum: int, batch: int
+) -> None:
+    """The reference: one process, one backward over every sample of this step (all ranks,
+    all micro-batches); the mean over all of them is what averaging rank means gives."""
+    by_flag: dict[bool, list[np.ndarray[Any, Any]]] = {False: [], True: []}
+    for r in range(world):
+        for micro in range(accum):
+            by_flag[_uses_branch(pattern, r, step, micro, accum)].append(data.rows(r, step, micro))
+    total = world * accum * batch * D_OUT
+    ref_loss: Tensor | None = None
+    for flag, parts in by_flag.items():
+        if not parts:
+            continue
+        x, y = data.xy(np.concatenate(parts))
+        part = ((ref(x, use_branch=flag) - y) ** 2).sum() * (1.0 / total)
+        ref_loss = part if ref_loss is None else ref_loss + part
+    assert ref_loss is not None
+    ref_loss.backward()
+
+
+def _grad_differences(model: Net, ref: Net, step: int) -> tuple[float, float]:
+    """The largest difference between DDP's and the reference's gradients, and the largest
+    reference gradient; raises when one has a gradient where the other has None."""
+    diff = scale = 0.0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            raise AssertionError(
+                f"step {step}: {name}.grad is {'None' if p.grad is None else 'set'} with "
+                f"DDP but {'None' if q.grad is None else 'set'} in the reference"
+            )
+        if p.grad is not None and q.grad is not None:
+            diff = max(diff, float(np.max(np.abs(p.grad.data - q.grad.data))))
+            scale = max(scale, float(np.max(np.abs(q.grad.data))))
+    return diff, scale
 
 
 def subgroups(seed: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

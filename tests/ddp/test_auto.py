@@ -2,7 +2,7 @@
 
 Single-process tests cover world size 1 and, with the collectives functions patched, the
 branches of a larger world; multi-process tests run real ranks (module-level rank functions,
-hard time limits). Tests that need ``ddp._ddp`` skip while it cannot be imported.
+hard time limits).
 """
 
 from __future__ import annotations
@@ -20,20 +20,10 @@ import tensorlib as tl
 from ddp import _auto
 from ddp._auto import auto_dataloader, auto_model, auto_optim, default_device, one_rank_only
 from ddp._data import DataLoader
+from ddp._ddp import DistributedDataParallel
 from ddp._sampler import DistributedSampler
 from tensorlib import nn, optim
 from tests.helpers import DEVICES
-
-
-def ddp_importable() -> bool:
-    try:
-        import ddp._ddp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_ddp = pytest.mark.skipif(not ddp_importable(), reason="ddp._ddp does not import yet")
 
 
 def arrays(n: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -156,10 +146,14 @@ def test_auto_model_wraps_and_checks_options(monkeypatch: pytest.MonkeyPatch) ->
     assert auto_model(model, process_group=Group()) is model
 
 
-def test_auto_model_without_ddp_at_world_size_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_auto, "_ddp_class", lambda: None)
+def test_auto_model_checks_options_against_the_real_ddp_at_world_size_one() -> None:
+    # (Replaces a test of a fallback for a DistributedDataParallel that cannot be imported:
+    # `import ddp` imports it, so that fallback could never run and was removed.)
+    assert _auto._ddp_class() is DistributedDataParallel
     model = nn.Linear(2, 2)
-    assert auto_model(model, anything=1) is model
+    with pytest.raises(TypeError, match="bad DistributedDataParallel options"):
+        auto_model(model, anything=1)
+    assert auto_model(model, bucket_cap_mb=1, find_unused_parameters=True) is model
 
 
 def test_auto_optim() -> None:
@@ -344,7 +338,6 @@ def auto_model_rank(rank: int) -> dict[str, Any]:
     }
 
 
-@needs_ddp
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("_clean_env")
 def test_auto_model_across_ranks() -> None:

@@ -1,4 +1,5 @@
-"""Tensor.set_grad_buffer: backward writes a leaf's gradient straight into a given buffer.
+"""Tensor.set_grad_buffer: backward writes a leaf's gradient straight into a given buffer
+(and Tensor.use_grad_buffer makes it ``.grad`` when the caller filled it).
 
 DDP relies on it to have linear layers' gradients computed into its communication buckets;
 the gradients must be exactly those computed without a buffer, in every situation where the
@@ -37,7 +38,7 @@ def _buffers(layer: Any) -> list[tl.Tensor]:
     flat = layer.weight.device.xp.full(sum(p.size for p in params), 7.0, dtype=layer.weight.dtype)
     out, off = [], 0
     for p in params:
-        view = tl.Tensor._wrap(flat[off : off + p.size].reshape(p.shape), p.device)
+        view = tl.from_array(flat[off : off + p.size].reshape(p.shape))
         p.set_grad_buffer(view)
         out.append(view)
         off += p.size
@@ -137,3 +138,25 @@ def test_set_grad_buffer_checks_its_argument() -> None:
     w.set_grad_buffer(None)  # removed: backward makes a fresh gradient again
     F.linear(_x("cpu"), w, lay.bias).sum().backward()
     assert w.grad is not buf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_use_grad_buffer_makes_the_buffer_grad_as_it_is(device: str) -> None:
+    """DDP's way to put a bucket view in as ``.grad``: no check again, no copy."""
+    lay = _layer(device)
+    w = lay.weight
+    with pytest.raises(RuntimeError, match="no grad buffer"):
+        w.use_grad_buffer()
+    bufs = _buffers(lay)
+    (w * 3.0).sum().backward()  # an op without buffer support: a fresh gradient
+    fresh = w.grad
+    assert fresh is not None and fresh is not bufs[0]
+    bufs[0].data[...] = fresh.data
+    assert w.use_grad_buffer() is bufs[0] and w.grad is bufs[0]
+    np.testing.assert_array_equal(_host(w.grad), np.full((4, 5), 3.0, np.float32))
+    (w * 2.0).sum().backward()  # it is .grad now: the next gradient is added into it
+    assert w.grad is bufs[0]
+    np.testing.assert_array_equal(_host(bufs[0]), np.full((4, 5), 5.0, np.float32))
+    w.set_grad_buffer(None)
+    with pytest.raises(RuntimeError, match="no grad buffer"):
+        w.use_grad_buffer()

@@ -117,14 +117,21 @@ SGD_CASES = [
 ]
 
 
+def _assert_matches_reference(
+    make: Callable[..., optim.Optimizer], reference: Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
+    """``make(params, **kwargs)`` over a random run gives what ``reference`` computes."""
+    params, grads = _random_run()
+    got = _run(lambda ps: make(ps, **kwargs), params, grads)
+    for g, r in zip(got, reference(params, grads, **kwargs), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     "kwargs", SGD_CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items())
 )
 def test_sgd_matches_reference(kwargs: dict[str, Any]) -> None:
-    params, grads = _random_run()
-    got = _run(lambda ps: optim.SGD(ps, **kwargs), params, grads)
-    for g, r in zip(got, ref_sgd(params, grads, **kwargs), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+    _assert_matches_reference(optim.SGD, ref_sgd, kwargs)
 
 
 ADAM_CASES = [
@@ -138,23 +145,18 @@ ADAM_CASES = [
     "kwargs", ADAM_CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items())
 )
 def test_adam_matches_reference(kwargs: dict[str, Any]) -> None:
-    params, grads = _random_run()
-    got = _run(lambda ps: optim.Adam(ps, **kwargs), params, grads)
-    for g, r in zip(got, ref_adam(params, grads, **kwargs), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+    _assert_matches_reference(optim.Adam, ref_adam, kwargs)
 
 
 @pytest.mark.parametrize(
     "kwargs", [{"lr": 1e-2}, {"lr": 1e-2, "weight_decay": 0.5, "betas": (0.5, 0.9)}], ids=str
 )
 def test_adamw_matches_reference(kwargs: dict[str, Any]) -> None:
-    params, grads = _random_run()
-    got = _run(lambda ps: optim.AdamW(ps, **kwargs), params, grads)
-    expected = ref_adam(
-        params, grads, decoupled=True, **{"weight_decay": 1e-2, **kwargs}
-    )  # AdamW's default decay is 0.01
-    for g, r in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+    def reference(params: Any, grads: Any, **kw: Any) -> Any:
+        # AdamW's default decay is 0.01
+        return ref_adam(params, grads, decoupled=True, **{"weight_decay": 1e-2, **kw})
+
+    _assert_matches_reference(optim.AdamW, reference, kwargs)
 
 
 def test_adam_and_adamw_differ_only_by_weight_decay_placement() -> None:

@@ -162,6 +162,22 @@ def test_from_numpy_shares_memory() -> None:
         tl.from_numpy(np.zeros(3, np.uint8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_array_wraps_without_copying_on_the_arrays_device(device: str) -> None:
+    arr = tl.zeros(2, 3, dtype=tl.float64, device=device).data
+    t = tl.from_array(arr)
+    assert t.data is arr and t.device == device and t.dtype == tl.float64
+    assert not t.requires_grad and t.is_leaf
+    arr[0, 0] = 42.0
+    assert t.tolist()[0][0] == 42.0
+    scalar = tl.from_array(np.float32(2.5))  # a NumPy scalar becomes a 0-d tensor
+    assert scalar.shape == () and scalar.dtype == tl.float32 and scalar.item() == 2.5
+    with pytest.raises(TypeError, match="NumPy or CuPy array, got list"):
+        tl.from_array([1.0, 2.0])
+    with pytest.raises(TypeError, match="uint8"):
+        tl.from_array(np.zeros(3, np.uint8))
+
+
 def test_from_dlpack_round_trip_with_numpy() -> None:
     arr = np.arange(6, dtype=np.float32).reshape(3, 2)
     t = tl.from_dlpack(arr)
