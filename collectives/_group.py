@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorlib import Tensor
+from tensorlib import Tensor, from_array
 
 from ._backend import P2P_OPS, Backend, GroupInfo, Request
 from ._errors import where
@@ -242,9 +242,7 @@ class ProcessGroup:
             with dev_in.device:
                 out = cupy.asarray(out)
         if like.kind == "tensor":
-            from tensorlib import Tensor
-
-            return Tensor._wrap(out)
+            return from_array(out)
         return out
 
     # ------------------------------------------------------------------ collectives

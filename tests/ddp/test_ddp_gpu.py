@@ -124,12 +124,11 @@ def _nccl_rank(local_rank: int) -> dict[str, Any]:
 def _nccl_or_skip(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    import collectives  # noqa: F401  (registers the backends)
-    from collectives._registry import get_backend_spec
+    import collectives
 
     if os.environ.get("TENSORLIB_FAKE_CUPY") == "1":
         pytest.skip("NCCL needs a real GPU (the fake CuPy has no device memory for libnccl)")
-    why = get_backend_spec("nccl").probe()
+    why = collectives.backend_unavailable_reason("nccl")
     if why is not None:
         pytest.skip(f"the nccl backend is not usable here: {why}")
     if world > tl.cuda_device_count():
