@@ -11,6 +11,7 @@ anything a child sends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, NoReturn, overload
 
+from ._errorfile import ERROR_FILE_ENV
 from ._launch import (
     DEFAULT_GRACE_PERIOD,
     Failure,
@@ -133,12 +135,10 @@ def _send(conn: multiprocessing.connection.Connection, report: dict[str, Any]) -
 
 
 def _destroy_quietly() -> None:
-    try:
+    with contextlib.suppress(Exception):
         from . import _api
 
         _api.destroy_process_group()
-    except Exception:
-        pass
 
 
 def _child_main(
@@ -150,10 +150,8 @@ def _child_main(
     """Entry point of a spawned rank (runs in the child)."""
     # Own process group, so the parent can end this rank and anything it started in one go,
     # and a Ctrl-C in the terminal reaches only the parent, which then ends the ranks in order.
-    try:
+    with contextlib.suppress(OSError):
         os.setsid()
-    except OSError:
-        pass
     if spec.death_signal:
         set_parent_death_signal(signal.SIGKILL, spec.parent_pid)
     # The parent set these before the start; forkserver children inherit another environment.
@@ -226,9 +224,10 @@ _ENV_LOCK = threading.Lock()
 
 @dataclass
 class _RankState:
+    """What the parent knows of one rank: its first report, and the pipe it comes through."""
+
     report: dict[str, Any] | None = None
     conn: multiprocessing.connection.Connection | None = None
-    failed_seen: bool = False
 
 
 @dataclass
@@ -488,61 +487,23 @@ def spawn(
     gpus = None if start_method == "fork" else gpu_assignment(nprocs, os.environ)
     port = master_port if master_port is not None else free_port()
     run_id = new_run_id()
-    common = thread_env(os.environ, nprocs)
-    # Error files belong to an outer launcher's rank, not to these children.
-    unset = ("DPT_ERROR_FILE",)
     main_thread = threading.current_thread() is threading.main_thread()
-    load_prctl()
-
-    processes: list[multiprocessing.process.BaseProcess] = []
-    states: list[_RankState] = []
-    try:
-        for rank in range(nprocs):
-            env = rank_env(
-                rank=rank,
-                world_size=nprocs,
-                local_rank=rank,
-                local_world_size=nprocs,
-                node_rank=0,
-                nnodes=1,
-                master_addr="127.0.0.1",
-                master_port=port,
-                run_id=run_id,
-                gpu=None if gpus is None else gpus[rank],
-            )
-            env.update(common)
-            spec = _ChildSpec(
-                rank=rank,
-                env=env,
-                unset=unset,
-                init=init,
-                backend=backend,
-                timeout=float(timeout),
-                parent_pid=os.getpid(),
-                # The death signal fires when the starting *thread* ends, and only the main
-                # thread lives as long as the process; forkserver children have another parent.
-                death_signal=main_thread and start_method != "forkserver",
-            )
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child_main,
-                args=(spec, fn, tuple(args), writer),
-                name=f"spawn-rank{rank}",
-            )
-            with _ENV_LOCK:
-                _start_with_env(proc, env, unset)
-            writer.close()
-            processes.append(proc)
-            states.append(_RankState(conn=reader))
-    except BaseException:
-        shutdown([_MPChild(p) for p in processes if p.pid is not None], grace_period)
-        for s in states:
-            if s.conn is not None:
-                s.conn.close()
-        raise
-    context = SpawnContext(
-        processes=processes, grace_period=grace_period, _states=states, run_id=run_id
-    )
+    specs = [
+        _ChildSpec(
+            rank=rank,
+            env=_rank_env_here(rank, nprocs, port, run_id, None if gpus is None else gpus[rank]),
+            unset=(ERROR_FILE_ENV,),  # error files belong to an outer launcher's rank
+            init=init,
+            backend=backend,
+            timeout=float(timeout),
+            parent_pid=os.getpid(),
+            # The death signal fires when the starting *thread* ends, and only the main
+            # thread lives as long as the process; forkserver children have another parent.
+            death_signal=main_thread and start_method != "forkserver",
+        )
+        for rank in range(nprocs)
+    ]
+    context = _start_children(ctx, fn, tuple(args), specs, grace_period, run_id)
     if not join:
         return context
     try:
@@ -554,6 +515,62 @@ def spawn(
         context.terminate()
         raise
     return context.results
+
+
+def _rank_env_here(
+    rank: int, nprocs: int, port: int, run_id: str, gpu: str | None
+) -> dict[str, str]:
+    """Rank ``rank``'s variables: what ``collectives.run`` gives a worker on one node."""
+    env = rank_env(
+        rank=rank,
+        world_size=nprocs,
+        local_rank=rank,
+        local_world_size=nprocs,
+        node_rank=0,
+        nnodes=1,
+        master_addr="127.0.0.1",
+        master_port=port,
+        run_id=run_id,
+        gpu=gpu,
+    )
+    env.update(thread_env(os.environ, nprocs))
+    return env
+
+
+def _start_children(
+    ctx: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    specs: Sequence[_ChildSpec],
+    grace_period: float,
+    run_id: str,
+) -> SpawnContext:
+    """Start one process per spec; if any start fails, end those already started."""
+    load_prctl()
+    processes: list[multiprocessing.process.BaseProcess] = []
+    states: list[_RankState] = []
+    try:
+        for spec in specs:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(spec, fn, args, writer),
+                name=f"spawn-rank{spec.rank}",
+            )
+            with _ENV_LOCK:
+                _start_with_env(proc, spec.env, spec.unset)
+            writer.close()
+            processes.append(proc)
+            states.append(_RankState(conn=reader))
+    except BaseException:
+        shutdown([_MPChild(p) for p in processes if p.pid is not None], grace_period)
+        for s in states:
+            if s.conn is not None:
+                s.conn.close()
+        raise
+    return SpawnContext(
+        processes=processes, grace_period=grace_period, _states=states, run_id=run_id
+    )
 
 
 def _start_with_env(
