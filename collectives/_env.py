@@ -264,43 +264,34 @@ def _local_layout(
     elif local_world is not None and local_world.value == world.value:
         local_rank = local_rank or rank
     elif local_rank is None or local_world is None:
-        local_rank, local_world = _all_on_this_host(local_rank, local_world, rank, world, hints)
+        known_master = hints.env or hints.slurm
+        if local_world is None and known_master is None:
+            raise EnvError(
+                f"MASTER_ADDR is not set: with {world.var}={world.value} > 1 every rank needs "
+                "the address of rank 0's host (set MASTER_ADDR, e.g. 127.0.0.1 when all ranks "
+                "run on this machine)"
+            )
+        if local_world is None and known_master is not None and is_local_address(known_master):
+            # The store's host is this one: take every rank to be here (one machine).
+            local_rank, local_world = local_rank or rank, world
+        else:
+            missing = "LOCAL_RANK" if local_rank is None else "LOCAL_WORLD_SIZE"
+            if local_world is not None:
+                why = (
+                    f"{local_world.var}={local_world.value} < {world.var}={world.value} "
+                    "puts ranks on several hosts"
+                )
+            else:
+                why = f"MASTER_ADDR={known_master} is not this host, so ranks span several hosts"
+            raise EnvError(
+                f"{missing} is not set: {why}, and each rank needs LOCAL_RANK and "
+                "LOCAL_WORLD_SIZE (torchrun and collectives.run set them)"
+            )
     if local_rank.value >= local_world.value:
         raise EnvError(
             f"{local_rank.var}={local_rank.value} must be < {local_world.var}={local_world.value}"
         )
     return local_rank, local_world
-
-
-def _all_on_this_host(
-    local_rank: _Sourced | None,
-    local_world: _Sourced | None,
-    rank: _Sourced,
-    world: _Sourced,
-    hints: _MasterHints,
-) -> tuple[_Sourced, _Sourced]:
-    """With a local value missing: every rank is here if rank 0's host is this one; else fail."""
-    known_master = hints.env or hints.slurm
-    if local_world is None and known_master is None:
-        raise EnvError(
-            f"MASTER_ADDR is not set: with {world.var}={world.value} > 1 every rank needs "
-            "the address of rank 0's host (set MASTER_ADDR, e.g. 127.0.0.1 when all ranks "
-            "run on this machine)"
-        )
-    if local_world is None and known_master is not None and is_local_address(known_master):
-        return local_rank or rank, world  # the store's host is this one: one machine
-    missing = "LOCAL_RANK" if local_rank is None else "LOCAL_WORLD_SIZE"
-    if local_world is not None:
-        why = (
-            f"{local_world.var}={local_world.value} < {world.var}={world.value} "
-            "puts ranks on several hosts"
-        )
-    else:
-        why = f"MASTER_ADDR={known_master} is not this host, so ranks span several hosts"
-    raise EnvError(
-        f"{missing} is not set: {why}, and each rank needs LOCAL_RANK and "
-        "LOCAL_WORLD_SIZE (torchrun and collectives.run set them)"
-    )
 
 
 def _master_addr_env(env: _EnvReader) -> str | None:
