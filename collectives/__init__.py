@@ -39,8 +39,9 @@ from ._errors import (
     PeerFailureError,
 )
 from ._group import NonMemberGroup, ProcessGroup
+from ._parallel import Parallel
 from ._registry import available_backends, backend_unavailable_reason, register_backend
-from ._spawn import Parallel, SpawnContext, SpawnError, spawn
+from ._spawn import SpawnContext, SpawnError, spawn
 from ._types import ReduceOp
 from ._work import Work
 

@@ -100,21 +100,35 @@ class InitAddress(NamedTuple):
     port: int
 
 
-class _Val(NamedTuple):
+class _Sourced(NamedTuple):
+    """An integer setting and the variable (or argument) it came from, for messages."""
+
     value: int
-    var: str  # the variable (or argument) it came from, for messages
+    var: str
 
 
-@dataclass
-class _Launcher:
-    name: str
-    rank: _Val | None
-    world: _Val | None
-    local_rank: _Val | None
-    local_world: _Val | None
+@dataclass(frozen=True)
+class _LauncherReading:
+    """What one launcher's variables say about this process (None: the variable is unset)."""
+
+    name: str  # the EnvConfig.source it gives: "torchrun", "ompi", "pmi" or "slurm"
+    rank_var: str  # the variables named when rank or world size is missing
+    world_var: str
+    present: bool  # this launcher started the process (its rank or size variable is set)
+    rank: _Sourced | None
+    world: _Sourced | None
+    local_rank: _Sourced | None
+    local_world: _Sourced | None
 
 
-class _Env:
+class _MasterHints(NamedTuple):
+    """Where rank 0's host may be named: ``MASTER_ADDR`` (checked) and SLURM's node list."""
+
+    env: str | None
+    slurm: str | None
+
+
+class _EnvReader:
     """Reads variables, treating empty ones as unset, and parses integers with clear errors."""
 
     def __init__(self, environ: Mapping[str, str]) -> None:
@@ -126,7 +140,7 @@ class _Env:
             return None
         return raw.strip()
 
-    def integer(self, name: str, minimum: int = 0) -> _Val | None:
+    def integer(self, name: str, minimum: int = 0) -> _Sourced | None:
         raw = self.text(name)
         if raw is None:
             return None
@@ -135,10 +149,7 @@ class _Env:
         value = int(raw)
         if value < minimum:
             raise EnvError(f"{name} must be >= {minimum}, got {self.environ[name]!r}")
-        return _Val(value, name)
-
-    def has(self, *names: str) -> bool:
-        return any(self.text(n) is not None for n in names)
+        return _Sourced(value, name)
 
 
 def read_env(
@@ -162,92 +173,98 @@ def read_env(
         EnvError: a variable is missing, not an integer, out of range, or two launchers'
             variables disagree; the message names the variables and their values.
     """
-    env = _Env(os.environ if environ is None else environ)
+    env = _EnvReader(os.environ if environ is None else environ)
     rank_arg = _check_arg("rank", rank, 0)
     world_arg = _check_arg("world_size", world_size, 1)
-
-    torchrun = _Launcher(
-        "torchrun",
-        env.integer("RANK"),
-        env.integer("WORLD_SIZE", 1),
-        env.integer("LOCAL_RANK"),
-        env.integer("LOCAL_WORLD_SIZE", 1),
-    )
-    launchers = [
-        launcher
-        for launcher, present in (
-            (torchrun, torchrun.rank is not None or torchrun.world is not None),
-            (_ompi(env), env.has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")),
-            (_pmi(env), env.has("PMI_RANK", "PMI_SIZE")),
-            (_slurm(env), env.has("SLURM_PROCID")),
-        )
-        if present
-    ]
+    # Read in order of precedence (the first present one gives rank and world size).
+    torchrun = _read_launcher(env, "torchrun")
+    readings = [torchrun, _read_launcher(env, "ompi"), _read_launcher(env, "pmi"), _read_slurm(env)]
+    launchers = [r for r in readings if r.present]
     primary = launchers[0] if launchers else None
-    explicit = rank_arg is not None and world_arg is not None
+    # Both arguments given: they replace the launchers' view of the job, layout included.
+    layout_from = None if rank_arg is not None and world_arg is not None else primary
 
-    if explicit:
-        source = "args"
-    elif primary is not None:
-        source = primary.name
-    elif rank_arg is not None or world_arg is not None:
-        source = "args"
+    rank_val, world = _rank_and_world(primary, rank_arg, world_arg)
+    if layout_from is not None:
+        _check_consistent(env, launchers, override_rank=rank_arg is not None)
+    local_rank, local_world = _launcher_local_values(torchrun, layout_from, world)
+    hints = _MasterHints(_master_addr_env(env), _slurm_master(env))
+    local_rank, local_world = _local_layout(local_rank, local_world, rank_val, world, hints)
+    if layout_from is not None:
+        source = layout_from.name
     else:
-        source = "default"
+        source = "default" if rank_arg is None and world_arg is None else "args"
+    return EnvConfig(
+        rank=rank_val.value,
+        world_size=world.value,
+        local_rank=local_rank.value,
+        local_world_size=local_world.value,
+        master_addr=_master_addr(hints, world, local_world),
+        master_port=_master_port(env, world),
+        source=source,
+    )
 
-    # -- rank and world size
+
+def _rank_and_world(
+    primary: _LauncherReading | None, rank_arg: _Sourced | None, world_arg: _Sourced | None
+) -> tuple[_Sourced, _Sourced]:
+    """Rank and world size: the arguments, else the first launcher's, else a world of one."""
     world = world_arg
     if world is None and primary is not None:
         world = primary.world
         if world is None:
-            raise EnvError(f"{_world_var(primary)} is not set ({_rank_var(primary)} is)")
+            raise EnvError(f"{primary.world_var} is not set ({primary.rank_var} is)")
     if world is None:
         if rank_arg is not None and rank_arg.value > 0:
             raise EnvError(
                 f"rank={rank_arg.value} given without world_size, and WORLD_SIZE is not set"
             )
-        world = _Val(1, "world_size")
-    rank_val = rank_arg
-    if rank_val is None and primary is not None:
-        rank_val = primary.rank
-    if rank_val is None:
+        world = _Sourced(1, "world_size")
+    rank = rank_arg
+    if rank is None and primary is not None:
+        rank = primary.rank
+    if rank is None:
         if world.value > 1:
-            name = _rank_var(primary) if primary is not None else "RANK"
+            name = primary.rank_var if primary is not None else "RANK"
             raise EnvError(f"{name} is not set (needed with {world.var}={world.value} > 1)")
-        rank_val = _Val(0, "rank")
-    if rank_val.value >= world.value:
+        rank = _Sourced(0, "rank")
+    if rank.value >= world.value:
         raise EnvError(
-            f"{rank_val.var}={rank_val.value} must be < {world.var}={world.value} "
-            "(ranks count from 0)"
+            f"{rank.var}={rank.value} must be < {world.var}={world.value} (ranks count from 0)"
         )
+    return rank, world
 
-    if primary is not None and not explicit:
-        _check_consistent(env, launchers, override_rank=rank_arg is not None)
 
-    # -- local rank and size: torchrun's names, then the launcher's (unless both arguments
-    # replaced the launcher's layout)
-    local_rank = torchrun.local_rank
-    local_world = torchrun.local_world
-    if primary is not None and not explicit:
-        local_rank = local_rank or primary.local_rank
-        local_world = local_world or primary.local_world
+def _launcher_local_values(
+    torchrun: _LauncherReading, layout_from: _LauncherReading | None, world: _Sourced
+) -> tuple[_Sourced | None, _Sourced | None]:
+    """Local rank and size as set: torchrun's names first, then the launcher's."""
+    local_rank, local_world = torchrun.local_rank, torchrun.local_world
+    if layout_from is not None:
+        local_rank = local_rank or layout_from.local_rank
+        local_world = local_world or layout_from.local_world
     if local_world is not None and local_world.value > world.value:
         raise EnvError(
             f"{local_world.var}={local_world.value} must be <= {world.var}={world.value}"
         )
+    return local_rank, local_world
 
-    master_env = env.text("MASTER_ADDR")
-    if master_env is not None:
-        master_env = _check_host("MASTER_ADDR", master_env)
-    slurm_master = _slurm_master(env)
 
+def _local_layout(
+    local_rank: _Sourced | None,
+    local_world: _Sourced | None,
+    rank: _Sourced,
+    world: _Sourced,
+    hints: _MasterHints,
+) -> tuple[_Sourced, _Sourced]:
+    """Fill in what the launchers left unset of the local layout, or say why it cannot be."""
     if world.value == 1:
-        local_rank = local_rank or _Val(0, "rank")
-        local_world = local_world or _Val(1, "world_size")
+        local_rank = local_rank or _Sourced(0, "rank")
+        local_world = local_world or _Sourced(1, "world_size")
     elif local_world is not None and local_world.value == world.value:
-        local_rank = local_rank or _Val(rank_val.value, rank_val.var)
+        local_rank = local_rank or rank
     elif local_rank is None or local_world is None:
-        known_master = master_env or slurm_master
+        known_master = hints.env or hints.slurm
         if local_world is None and known_master is None:
             raise EnvError(
                 f"MASTER_ADDR is not set: with {world.var}={world.value} > 1 every rank needs "
@@ -256,8 +273,7 @@ def read_env(
             )
         if local_world is None and known_master is not None and is_local_address(known_master):
             # The store's host is this one: take every rank to be here (one machine).
-            local_world = _Val(world.value, world.var)
-            local_rank = local_rank or _Val(rank_val.value, rank_val.var)
+            local_rank, local_world = local_rank or rank, world
         else:
             missing = "LOCAL_RANK" if local_rank is None else "LOCAL_WORLD_SIZE"
             if local_world is not None:
@@ -271,47 +287,47 @@ def read_env(
                 f"{missing} is not set: {why}, and each rank needs LOCAL_RANK and "
                 "LOCAL_WORLD_SIZE (torchrun and collectives.run set them)"
             )
-    assert local_rank is not None and local_world is not None  # every branch above sets them
     if local_rank.value >= local_world.value:
         raise EnvError(
             f"{local_rank.var}={local_rank.value} must be < {local_world.var}={local_world.value}"
         )
+    return local_rank, local_world
 
-    # -- the store's address
-    if master_env is not None:
-        master_addr = master_env
-    elif world.value == 1 or local_world.value == world.value:
-        master_addr = "127.0.0.1"
-    elif slurm_master is not None:
-        master_addr = slurm_master
-    else:
-        raise EnvError(
-            f"MASTER_ADDR is not set: with {world.var}={world.value} ranks on several hosts "
-            f"({local_world.var}={local_world.value}) every rank needs rank 0's host address"
-        )
+
+def _master_addr_env(env: _EnvReader) -> str | None:
+    """``MASTER_ADDR`` when set, checked (IPv6 brackets removed)."""
+    master = env.text("MASTER_ADDR")
+    return None if master is None else _check_host("MASTER_ADDR", master)
+
+
+def _master_addr(hints: _MasterHints, world: _Sourced, local_world: _Sourced) -> str:
+    """Rank 0's host: MASTER_ADDR, else loopback when every rank is here, else SLURM's."""
+    if hints.env is not None:
+        return hints.env
+    if world.value == 1 or local_world.value == world.value:
+        return "127.0.0.1"
+    if hints.slurm is not None:
+        return hints.slurm
+    raise EnvError(
+        f"MASTER_ADDR is not set: with {world.var}={world.value} ranks on several hosts "
+        f"({local_world.var}={local_world.value}) every rank needs rank 0's host address"
+    )
+
+
+def _master_port(env: _EnvReader, world: _Sourced) -> int:
+    """The store's port: MASTER_PORT, else one derived from SLURM's job id, else 0 alone."""
     port = env.integer("MASTER_PORT", minimum=-(1 << 62))  # range checked below, one message
     if port is not None:
         if not 1 <= port.value <= 65535:
             raise EnvError(f"MASTER_PORT must be in 1..65535, got {env.environ['MASTER_PORT']!r}")
-        master_port = port.value
-    elif world.value > 1 and (job := env.integer("SLURM_JOB_ID")) is not None:
-        master_port = _SLURM_PORT_BASE + job.value % _SLURM_PORT_SPAN
-    elif world.value == 1:
-        master_port = 0
-    else:
-        raise EnvError(
-            f"MASTER_PORT is not set (needed with {world.var}={world.value} > 1: the store's "
-            "port, the same on every rank, e.g. 29500)"
-        )
-
-    return EnvConfig(
-        rank=rank_val.value,
-        world_size=world.value,
-        local_rank=local_rank.value,
-        local_world_size=local_world.value,
-        master_addr=master_addr,
-        master_port=master_port,
-        source=source,
+        return port.value
+    if world.value > 1 and (job := env.integer("SLURM_JOB_ID")) is not None:
+        return _SLURM_PORT_BASE + job.value % _SLURM_PORT_SPAN
+    if world.value == 1:
+        return 0
+    raise EnvError(
+        f"MASTER_PORT is not set (needed with {world.var}={world.value} > 1: the store's "
+        "port, the same on every rank, e.g. 29500)"
     )
 
 
@@ -402,16 +418,14 @@ def mpiexec_world_size(environ: Mapping[str, str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _check_arg(name: str, value: int | None, minimum: int) -> _Val | None:
+def _check_arg(name: str, value: int | None, minimum: int) -> _Sourced | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise EnvError(f"{name} must be >= {minimum}, got {value}")
-    return _Val(value, name)
+    return _Sourced(value, name)
 
 
 def _check_host(name: str, host: str) -> str:
@@ -421,63 +435,54 @@ def _check_host(name: str, host: str) -> str:
     return plain
 
 
-_RANK_VARS = {
-    "torchrun": "RANK",
-    "ompi": "OMPI_COMM_WORLD_RANK",
-    "pmi": "PMI_RANK",
-    "slurm": "SLURM_PROCID",
-}
-_WORLD_VARS = {
-    "torchrun": "WORLD_SIZE",
-    "ompi": "OMPI_COMM_WORLD_SIZE",
-    "pmi": "PMI_SIZE",
-    "slurm": "SLURM_NTASKS",
-}
-
-
-def _rank_var(launcher: _Launcher) -> str:
-    return _RANK_VARS[launcher.name]
-
-
-def _world_var(launcher: _Launcher) -> str:
-    return _WORLD_VARS[launcher.name]
-
-
-def _ompi(env: _Env) -> _Launcher:
-    return _Launcher(
-        "ompi",
-        env.integer("OMPI_COMM_WORLD_RANK"),
-        env.integer("OMPI_COMM_WORLD_SIZE", 1),
-        env.integer("OMPI_COMM_WORLD_LOCAL_RANK"),
-        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1),
-    )
-
-
-def _pmi(env: _Env) -> _Launcher:
+# Each launcher's names for (rank, world size, local rank, local world size); SLURM's are read
+# by _read_slurm (its sizes have several sources).
+_LAUNCHER_VARS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "ompi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     # MPICH's Hydra (and Intel MPI): PMI_* for the job, MPI_LOCAL* for this host.
-    return _Launcher(
-        "pmi",
-        env.integer("PMI_RANK"),
-        env.integer("PMI_SIZE", 1),
-        env.integer("MPI_LOCALRANKID"),
-        env.integer("MPI_LOCALNRANKS", 1),
+    "pmi": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+def _read_launcher(env: _EnvReader, name: str) -> _LauncherReading:
+    rank, world, local_rank, local_world = _LAUNCHER_VARS[name]
+    rank_val, world_val = env.integer(rank), env.integer(world, 1)
+    return _LauncherReading(
+        name=name,
+        rank_var=rank,
+        world_var=world,
+        present=rank_val is not None or world_val is not None,
+        rank=rank_val,
+        world=world_val,
+        local_rank=env.integer(local_rank),
+        local_world=env.integer(local_world, 1),
     )
 
 
-def _slurm(env: _Env) -> _Launcher:
+def _read_slurm(env: _EnvReader) -> _LauncherReading:
     # The step's values (set by srun) describe this launch; the job's may be larger.
     world = env.integer("SLURM_STEP_NUM_TASKS", 1) or env.integer("SLURM_NTASKS", 1)
     world = world or env.integer("SLURM_NPROCS", 1)
-    return _Launcher(
-        "slurm",
-        env.integer("SLURM_PROCID"),
-        world,
-        env.integer("SLURM_LOCALID"),
-        _slurm_tasks_here(env),
+    rank = env.integer("SLURM_PROCID")
+    return _LauncherReading(
+        name="slurm",
+        rank_var="SLURM_PROCID",
+        world_var="SLURM_NTASKS",
+        present=rank is not None,  # srun sets SLURM_PROCID in each task it starts
+        rank=rank,
+        world=world,
+        local_rank=env.integer("SLURM_LOCALID"),
+        local_world=_slurm_tasks_here(env),
     )
 
 
-def _slurm_tasks_here(env: _Env) -> _Val | None:
+def _slurm_tasks_here(env: _EnvReader) -> _Sourced | None:
     """The number of tasks on this node, from the per-node task counts."""
     node = env.integer("SLURM_NODEID")
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
@@ -490,9 +495,9 @@ def _slurm_tasks_here(env: _Env) -> _Val | None:
                 raise EnvError(
                     f"SLURM_NODEID={node.value} but {name}={raw!r} lists {len(counts)} nodes"
                 )
-            return _Val(counts[node.value], name)
+            return _Sourced(counts[node.value], name)
         if len(set(counts)) == 1:
-            return _Val(counts[0], name)
+            return _Sourced(counts[0], name)
     return env.integer("SLURM_NTASKS_PER_NODE", 1)
 
 
@@ -510,7 +515,7 @@ def _parse_tasks_per_node(name: str, raw: str) -> list[int]:
     return counts
 
 
-def _slurm_master(env: _Env) -> str | None:
+def _slurm_master(env: _EnvReader) -> str | None:
     """Rank 0's host in a SLURM job: first host of the node list, else the launch node."""
     for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         raw = env.text(name)
@@ -548,7 +553,9 @@ def _first_host(nodelist: str) -> str | None:
     return host if host and _HOST.fullmatch(host) else None
 
 
-def _check_consistent(env: _Env, launchers: list[_Launcher], *, override_rank: bool) -> None:
+def _check_consistent(
+    env: _EnvReader, launchers: list[_LauncherReading], *, override_rank: bool
+) -> None:
     """Torchrun's names must agree with another launcher's that describe the same processes."""
     primary = launchers[0]
     if primary.name != "torchrun":
@@ -581,7 +588,7 @@ def _check_consistent(env: _Env, launchers: list[_Launcher], *, override_rank: b
                 _mismatch(mine, theirs)
 
 
-def _mismatch(a: _Val, b: _Val) -> None:
+def _mismatch(a: _Sourced, b: _Sourced) -> None:
     raise EnvError(
         f"inconsistent launcher variables: {a.var}={a.value} but {b.var}={b.value} (both "
         "describe this process; unset one or make them agree)"

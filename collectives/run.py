@@ -16,6 +16,10 @@ second one kills them at once. Workers get SIGKILL if the launcher itself dies (
 Workers' stdout is inherited; their stderr goes through the launcher unchanged (raw bytes, so
 ``\\r`` progress bars still work), keeping the last 64 KiB per rank for the report.
 
+The policy's pieces (rank environment, GPU binding, shutdown, the report) live in
+:mod:`collectives._launch`, shared with ``spawn``. :func:`free_port` is exported here for code
+that starts ranks itself (``from collectives.run import free_port``).
+
 Example:
     python -m collectives.run --nproc-per-node 4 train.py --epochs 3
 """
@@ -40,9 +44,10 @@ from types import FrameType
 from typing import IO
 
 from ._errorfile import ERROR_FILE_ENV, extract_traceback, read_error_file
-from ._spawn import (
+from ._launch import (
     DEFAULT_GRACE_PERIOD,
     Failure,
+    describe_exit,
     describe_others,
     exit_status,
     format_failure,
@@ -60,7 +65,7 @@ from ._spawn import (
 )
 from .backends._shm import remove_run_segments
 
-__all__ = ["LaunchConfig", "main"]
+__all__ = ["LaunchConfig", "free_port", "main"]
 
 PROG = "collectives.run"
 TAIL_BYTES = 64 * 1024
@@ -262,7 +267,9 @@ class _Signals:
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
 
 
-class _Launcher:
+class _Supervisor:
+    """Starts the workers, forwards their stderr, and ends them all as the failure policy says."""
+
     def __init__(self, cfg: LaunchConfig, out: IO[bytes] | None = None) -> None:
         self.cfg = cfg
         self.out = out if out is not None else _stderr_bytes()
@@ -352,12 +359,11 @@ class _Launcher:
                     master_addr=cfg.master_addr,
                     master_port=cfg.master_port,
                     run_id=cfg.run_id,
+                    gpu=None if gpus is None else gpus[local_rank],
                 )
             )
             error_file = errdir / f"rank{rank}.json"
             env[ERROR_FILE_ENV] = str(error_file)
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
             proc = subprocess.Popen(
                 cmd,
                 env=env,
@@ -455,7 +461,7 @@ class _Launcher:
             )
         note = "no traceback: it wrote no error file and no Python traceback to stderr"
         if rc is not None and rc < 0:
-            note = f"no traceback: it was {_killed(rc)} before it could write one"
+            note = f"no traceback: it was {describe_exit(rc)} before it could write one"
             if rc == -signal.SIGKILL:
                 note += " (out of memory? check `dmesg`)"
         last_lines = text.rstrip().splitlines()[-10:]
@@ -504,10 +510,8 @@ class _Launcher:
                 state = "killed by SIGKILL"
             elif rc is None:
                 state = "still running"
-            elif rc < 0:
-                state = _killed(rc)
             else:
-                state = f"exited with code {rc}"
+                state = describe_exit(rc)
             parts.append(f"rank {w.rank} {state}")
         code = 128 + sig
         self._report(
@@ -528,10 +532,6 @@ class _Launcher:
         bar = "=" * 80
         head = f" {PROG}: {title} ".center(80, "=")
         self._say(f"{head}\n{body.rstrip()}\n{bar}\n")
-
-
-def _killed(rc: int) -> str:
-    return f"killed by {signal_name(-rc)}"
 
 
 def _stderr_bytes() -> IO[bytes]:
@@ -556,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         by signal N); 128 + N when the launcher got signal N; 2 for a usage error.
     """
     cfg = parse_args(argv)
-    return _Launcher(cfg).run()
+    return _Supervisor(cfg).run()
 
 
 if __name__ == "__main__":

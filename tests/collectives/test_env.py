@@ -17,6 +17,38 @@ from collectives._env import (
 
 # TEST-NET-1 (RFC 5737): never an address of this machine, so "another host".
 FOREIGN = "192.0.2.1"
+# Two ranks on this host: the base of the tests that spoil one variable.
+TWO_HERE = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def _vars(names: tuple[str, ...], values: tuple[int | None, ...]) -> dict[str, str]:
+    return {name: str(v) for name, v in zip(names, values, strict=False) if v is not None}
+
+
+def torchrun(*values: int | None) -> dict[str, str]:
+    """``torchrun(rank, world, local_rank, local_world)``: the values given; None skips one."""
+    return _vars(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), values)
+
+
+def ompi(*values: int | None) -> dict[str, str]:
+    """Open MPI's four variables, as :func:`torchrun`."""
+    names = (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    )
+    return _vars(names, values)
+
+
+def pmi(*values: int | None) -> dict[str, str]:
+    """MPICH Hydra's ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``."""
+    return _vars(("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), values)
+
+
+def slurm(*values: int | None) -> dict[str, str]:
+    """srun's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, as :func:`torchrun`."""
+    return _vars(("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), values)
 
 
 def cfg(rank: int | None = None, world_size: int | None = None, /, **env: str) -> EnvConfig:
@@ -56,14 +88,7 @@ def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_torchrun_full() -> None:
-    c = cfg(
-        RANK="5",
-        WORLD_SIZE="8",
-        LOCAL_RANK="1",
-        LOCAL_WORLD_SIZE="4",
-        MASTER_ADDR="10.1.2.3",
-        MASTER_PORT="29500",
-    )
+    c = cfg(**torchrun(5, 8, 1, 4), MASTER_ADDR="10.1.2.3", MASTER_PORT="29500")
     assert c == EnvConfig(5, 8, 1, 4, "10.1.2.3", 29500, "torchrun")
 
 
@@ -102,9 +127,7 @@ def test_ipv6_master_addr_brackets_stripped() -> None:
 
 def test_slurm() -> None:
     c = cfg(
-        SLURM_PROCID="5",
-        SLURM_NTASKS="8",
-        SLURM_LOCALID="1",
+        **slurm(5, 8, 1),
         SLURM_NODEID="1",
         SLURM_TASKS_PER_NODE="4(x2)",
         SLURM_JOB_NODELIST="gpu[03-04]",
@@ -114,7 +137,7 @@ def test_slurm() -> None:
 
 
 def test_slurm_uneven_tasks_per_node() -> None:
-    base = {"SLURM_PROCID": "9", "SLURM_NTASKS": "11", "SLURM_LOCALID": "1"}
+    base = slurm(9, 11, 1)
     extra = {"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_JOB_NODELIST": "a1,b[1-2]"}
     c = cfg(**base, **extra, SLURM_NODEID="2", MASTER_PORT="29500")
     assert (c.local_world_size, c.master_addr) == (3, "a1")
@@ -136,9 +159,7 @@ def test_slurm_step_values_preferred() -> None:
 
 def test_slurm_ntasks_per_node_and_launch_node_ip() -> None:
     c = cfg(
-        SLURM_PROCID="3",
-        SLURM_NTASKS="4",
-        SLURM_LOCALID="1",
+        **slurm(3, 4, 1),
         SLURM_NTASKS_PER_NODE="2",
         SLURM_LAUNCH_NODE_IPADDR="10.0.0.7",
         SLURM_JOB_ID="7",
@@ -158,9 +179,7 @@ def test_slurm_ntasks_per_node_and_launch_node_ip() -> None:
 )
 def test_slurm_nodelist_first_host(nodelist: str, first: str) -> None:
     c = cfg(
-        SLURM_PROCID="0",
-        SLURM_NTASKS="4",
-        SLURM_LOCALID="0",
+        **slurm(0, 4, 0),
         SLURM_NTASKS_PER_NODE="2",
         SLURM_JOB_NODELIST=nodelist,
         MASTER_PORT="29500",
@@ -170,9 +189,7 @@ def test_slurm_nodelist_first_host(nodelist: str, first: str) -> None:
 
 def test_slurm_unparsable_nodelist_falls_back_to_launch_node() -> None:
     c = cfg(
-        SLURM_PROCID="0",
-        SLURM_NTASKS="4",
-        SLURM_LOCALID="0",
+        **slurm(0, 4, 0),
         SLURM_NTASKS_PER_NODE="2",
         SLURM_JOB_NODELIST="weird[a-b]",
         SLURM_LAUNCH_NODE_IPADDR="10.0.0.9",
@@ -183,9 +200,7 @@ def test_slurm_unparsable_nodelist_falls_back_to_launch_node() -> None:
 
 def test_slurm_single_node_uses_loopback_and_env_overrides() -> None:
     base = {
-        "SLURM_PROCID": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_LOCALID": "1",
+        **slurm(1, 2, 1),
         "SLURM_TASKS_PER_NODE": "2",
         "SLURM_JOB_NODELIST": "n1",
         "SLURM_JOB_ID": "100",
@@ -197,63 +212,34 @@ def test_slurm_single_node_uses_loopback_and_env_overrides() -> None:
 
 
 def test_open_mpi() -> None:
-    c = cfg(
-        OMPI_COMM_WORLD_RANK="3",
-        OMPI_COMM_WORLD_SIZE="4",
-        OMPI_COMM_WORLD_LOCAL_RANK="3",
-        OMPI_COMM_WORLD_LOCAL_SIZE="4",
-        MASTER_PORT="29500",
-    )
+    c = cfg(**ompi(3, 4, 3, 4), MASTER_PORT="29500")
     assert c == EnvConfig(3, 4, 3, 4, "127.0.0.1", 29500, "ompi")
 
 
 def test_open_mpi_multi_node_needs_master_addr() -> None:
-    env = {
-        "OMPI_COMM_WORLD_RANK": "3",
-        "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-        "MASTER_PORT": "29500",
-    }
+    env = {**ompi(3, 4, 1, 2), "MASTER_PORT": "29500"}
     env_error("MASTER_ADDR", "OMPI_COMM_WORLD_SIZE=4", **env)
     assert cfg(**env, MASTER_ADDR="10.0.0.1").master_addr == "10.0.0.1"
 
 
 def test_open_mpi_before_slurm() -> None:
     # mpirun inside a SLURM job: the SLURM_* values describe mpirun's daemons, not the ranks.
-    c = cfg(
-        OMPI_COMM_WORLD_RANK="5",
-        OMPI_COMM_WORLD_SIZE="8",
-        OMPI_COMM_WORLD_LOCAL_RANK="1",
-        OMPI_COMM_WORLD_LOCAL_SIZE="4",
-        SLURM_PROCID="1",
-        SLURM_NTASKS="2",
-        SLURM_LOCALID="0",
-        SLURM_JOB_NODELIST="n[1-2]",
-        SLURM_JOB_ID="42",
-    )
+    c = cfg(**ompi(5, 8, 1, 4), **slurm(1, 2, 0), SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_ID="42")
     assert c == EnvConfig(5, 8, 1, 4, "n1", 15042, "ompi")
 
 
 def test_mpich_hydra() -> None:
-    c = cfg(PMI_RANK="2", PMI_SIZE="4", MPI_LOCALRANKID="2", MPI_LOCALNRANKS="4", MASTER_PORT="1")
+    c = cfg(**pmi(2, 4, 2, 4), MASTER_PORT="1")
     assert c == EnvConfig(2, 4, 2, 4, "127.0.0.1", 1, "pmi")
     env_error("PMI_SIZE is not set", PMI_RANK="1")
     env_error("PMI_RANK=4 must be < PMI_SIZE=4", PMI_RANK="4", PMI_SIZE="4")
 
 
 def test_mpich_hydra_before_slurm_and_after_open_mpi() -> None:
-    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"}
-    pmi = {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}
-    c = cfg(**pmi, **slurm, SLURM_JOB_NODELIST="n[1-2]")
+    c = cfg(**pmi(5, 8, 1, 4), **slurm(1, 2, 0), SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[1-2]")
     assert c == EnvConfig(5, 8, 1, 4, "n1", 15007, "pmi")
-    ompi = {
-        "OMPI_COMM_WORLD_RANK": "5",
-        "OMPI_COMM_WORLD_SIZE": "8",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-    }
-    ompi["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4"
-    assert cfg(**ompi, **pmi, MASTER_ADDR="h", MASTER_PORT="2").source == "ompi"
+    both = {**ompi(5, 8, 1, 4), **pmi(5, 8, 1, 4)}
+    assert cfg(**both, MASTER_ADDR="h", MASTER_PORT="2").source == "ompi"
 
 
 def test_torchrun_disagreeing_with_mpich_is_an_error() -> None:
@@ -263,29 +249,12 @@ def test_torchrun_disagreeing_with_mpich_is_an_error() -> None:
 
 def test_torchrun_nested_inside_srun() -> None:
     # srun starts one torchrun per node, which starts 4 workers: WORLD_SIZE > SLURM_NTASKS.
-    c = cfg(
-        RANK="6",
-        WORLD_SIZE="8",
-        LOCAL_RANK="2",
-        LOCAL_WORLD_SIZE="4",
-        MASTER_ADDR="10.0.0.1",
-        MASTER_PORT="29500",
-        SLURM_PROCID="1",
-        SLURM_NTASKS="2",
-        SLURM_LOCALID="0",
-    )
+    c = cfg(**torchrun(6, 8, 2, 4), **slurm(1, 2, 0), MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
     assert (c.rank, c.world_size, c.local_rank, c.source) == (6, 8, 2, "torchrun")
 
 
 def test_torchrun_agreeing_with_ompi_is_fine() -> None:
-    c = cfg(
-        RANK="1",
-        WORLD_SIZE="2",
-        OMPI_COMM_WORLD_RANK="1",
-        OMPI_COMM_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    c = cfg(**torchrun(1, 2), **ompi(1, 2), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert (c.rank, c.source) == (1, "torchrun")
 
 
@@ -293,28 +262,11 @@ def test_torchrun_agreeing_with_ompi_is_fine() -> None:
 def test_launcher_marker_means_nested_launcher(marker: str) -> None:
     # torchrun (elastic: ranks in any order) under srun, or spawn() under mpirun: the
     # launcher's own variables win without comparison.
-    c = cfg(
-        RANK="1",
-        WORLD_SIZE="2",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        SLURM_PROCID="0",
-        SLURM_NTASKS="2",
-        SLURM_LOCALID="0",
-        MASTER_ADDR="10.0.0.1",
-        MASTER_PORT="29500",
-        **{marker: "abc123"},
-    )
+    nested = {**torchrun(1, 2, 0, 1), **slurm(0, 2, 0), marker: "abc123"}
+    c = cfg(**nested, MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
     assert (c.rank, c.source) == (1, "torchrun")
-    c = cfg(
-        RANK="1",
-        WORLD_SIZE="2",
-        OMPI_COMM_WORLD_RANK="3",
-        OMPI_COMM_WORLD_SIZE="4",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-        **{marker: "abc123"},
-    )
+    nested = {**torchrun(1, 2), **ompi(3, 4), marker: "abc123"}
+    c = cfg(**nested, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert (c.rank, c.world_size) == (1, 2)
 
 
@@ -336,14 +288,7 @@ def test_explicit_arguments_override() -> None:
 
 def test_explicit_arguments_ignore_launcher_layout() -> None:
     # mpirun -np 4 running a script that asks for a world of its own.
-    c = cfg(
-        0,
-        1,
-        OMPI_COMM_WORLD_RANK="2",
-        OMPI_COMM_WORLD_SIZE="4",
-        OMPI_COMM_WORLD_LOCAL_RANK="2",
-        OMPI_COMM_WORLD_LOCAL_SIZE="4",
-    )
+    c = cfg(0, 1, **ompi(2, 4, 2, 4))
     assert c == EnvConfig(0, 1, 0, 1, "127.0.0.1", 0, "args")
 
 
@@ -385,9 +330,7 @@ def test_missing_rank() -> None:
     ],
 )
 def test_non_integer(name: str, value: str) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    env[name] = value
-    env_error(name, repr(value), "integer", **env)
+    env_error(name, repr(value), "integer", **{**TWO_HERE, name: value})
 
 
 @pytest.mark.parametrize(
@@ -401,9 +344,7 @@ def test_non_integer(name: str, value: str) -> None:
     ],
 )
 def test_negative_or_zero(name: str, value: str, minimum: str) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    env[name] = value
-    env_error(name, repr(value), minimum, **env)
+    env_error(name, repr(value), minimum, **{**TWO_HERE, name: value})
 
 
 def test_rank_not_below_world_size() -> None:
@@ -416,10 +357,7 @@ def test_local_rank_not_below_local_world_size() -> None:
     env_error(
         "LOCAL_RANK=2",
         "LOCAL_WORLD_SIZE=2",
-        RANK="2",
-        WORLD_SIZE="4",
-        LOCAL_RANK="2",
-        LOCAL_WORLD_SIZE="2",
+        **torchrun(2, 4, 2, 2),
         MASTER_ADDR="10.0.0.1",
         MASTER_PORT="29500",
     )
@@ -506,56 +444,27 @@ def test_bad_master_addr() -> None:
 @pytest.mark.parametrize(
     ("other", "needles"),
     [
-        (
-            {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},
-            ("RANK=1", "OMPI_COMM_WORLD_RANK=0"),
-        ),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, ("RANK=1", "SLURM_PROCID=0")),
-        (
-            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"},
-            ("LOCAL_RANK=1", "SLURM_LOCALID=0"),
-        ),
-        (
-            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
-            ("WORLD_SIZE=2", "OMPI_COMM_WORLD_SIZE=4"),
-        ),
-        (
-            {
-                "OMPI_COMM_WORLD_RANK": "1",
-                "OMPI_COMM_WORLD_SIZE": "2",
-                "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
-            },
-            ("LOCAL_WORLD_SIZE=2", "OMPI_COMM_WORLD_LOCAL_SIZE=1"),
-        ),
+        (ompi(0, 2), ("RANK=1", "OMPI_COMM_WORLD_RANK=0")),
+        (slurm(0, 2), ("RANK=1", "SLURM_PROCID=0")),
+        (slurm(1, 2, 0), ("LOCAL_RANK=1", "SLURM_LOCALID=0")),
+        (ompi(1, 4), ("WORLD_SIZE=2", "OMPI_COMM_WORLD_SIZE=4")),
+        (ompi(1, 2, None, 1), ("LOCAL_WORLD_SIZE=2", "OMPI_COMM_WORLD_LOCAL_SIZE=1")),
     ],
     ids=["rank-ompi", "rank-slurm", "local-rank-slurm", "world-ompi", "local-size-ompi"],
 )
 def test_inconsistent_launchers(other: dict[str, str], needles: tuple[str, ...]) -> None:
-    env = {
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": "1",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_PORT": "29500",
-    }
-    env_error(*needles, "inconsistent", **env, **other)
+    env_error(*needles, "inconsistent", **torchrun(1, 2, 1, 2), MASTER_PORT="29500", **other)
 
 
 def test_local_rank_next_to_mpirun_must_agree() -> None:
-    env = {
-        "OMPI_COMM_WORLD_RANK": "1",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-        "MASTER_PORT": "29500",
-    }
+    env = {**ompi(1, 2, 1, 2), "MASTER_PORT": "29500"}
     assert cfg(**env, LOCAL_RANK="1").local_rank == 1
     env_error("LOCAL_RANK=0", "OMPI_COMM_WORLD_LOCAL_RANK=1", **env, LOCAL_RANK="0")
 
 
 @pytest.mark.parametrize("value", ["4(x)", "x", "4(2)", "0", "4(x0)", ""])
 def test_bad_slurm_tasks_per_node(value: str) -> None:
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "MASTER_PORT": "1"}
+    env = {**slurm(0, 2, 0), "MASTER_PORT": "1"}
     if value == "":  # empty is unset: nothing says how many tasks are here
         env_error("MASTER_ADDR", **env, SLURM_TASKS_PER_NODE=value)
     else:

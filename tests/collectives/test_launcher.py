@@ -20,7 +20,7 @@ from types import TracebackType
 import pytest
 
 from collectives import _errorfile
-from collectives._spawn import describe_exit, exit_status, gpu_assignment
+from collectives._launch import describe_exit, exit_status, gpu_assignment
 from collectives.run import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,12 +44,17 @@ def _launch_cmd(*args: str) -> list[str]:
 
 
 def _launch(
-    tmp_path: Path, *args: str, timeout: float = 30.0, **env: str
+    tmp_path: Path,
+    *args: str,
+    timeout: float = 30.0,
+    environ: dict[str, str] | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess[bytes]:
+    """Run the launcher to the end; ``environ`` replaces the whole environment, ``env`` adds."""
     return subprocess.run(
         _launch_cmd(*args),
         cwd=tmp_path,
-        env=_env(tmp_path, **env),
+        env=_env(tmp_path, **env) if environ is None else environ,
         capture_output=True,
         timeout=timeout,
         check=False,
@@ -86,14 +91,23 @@ def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
     return _gone(pid)
 
 
-# Helpers the worker scripts share: wait for files that other ranks write.
-_WAIT_FOR = """
+# What the worker scripts share: their rank, and files in their directory that tell the test
+# (and other ranks) a pid. A pid file appears whole: written under another name, then renamed.
+_PRELUDE = """
 import os, sys, time
-def wait_for(*paths, timeout=20.0):
+here = os.path.dirname(os.path.abspath(__file__))
+rank = int(os.environ["RANK"])
+def path(name):
+    return os.path.join(here, name)
+def write_pid(name, pid=None):
+    with open(path(name + ".tmp"), "w") as f:
+        f.write(str(os.getpid() if pid is None else pid))
+    os.rename(path(name + ".tmp"), path(name))
+def wait_for(*names, timeout=20.0):
     deadline = time.monotonic() + timeout
-    while not all(os.path.exists(p) for p in paths):
+    while not all(os.path.exists(path(n)) for n in names):
         if time.monotonic() > deadline:
-            sys.exit("timed out waiting for " + repr(paths))
+            sys.exit("timed out waiting for " + repr(names))
         time.sleep(0.01)
 """
 
@@ -197,29 +211,21 @@ def test_module_mode_and_raw_stderr(tmp_path: Path) -> None:
 def test_first_failure_ends_the_others_and_reports_its_traceback(tmp_path: Path) -> None:
     _script(
         tmp_path,
-        _WAIT_FOR
+        _PRELUDE
         + """
 import signal, subprocess
-rank = int(os.environ["RANK"])
-here = os.path.dirname(os.path.abspath(__file__))
-def pidfile(name):
-    return os.path.join(here, name)
 if rank == 0:
     # A grandchild in rank 0's process group must be ended with it.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with open(pidfile("grandchild.tmp"), "w") as f:
-        f.write(str(child.pid))
-    os.rename(pidfile("grandchild.tmp"), pidfile("grandchild.pid"))
+    write_pid("grandchild.pid", child.pid)
 if rank == 2:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs SIGKILL after the grace period
 if rank != 1:
-    with open(pidfile(f"tmp{rank}"), "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(pidfile(f"tmp{rank}"), pidfile(f"rank{rank}.pid"))
+    write_pid(f"rank{rank}.pid")
     time.sleep(60)
-    open(pidfile(f"finished{rank}"), "w").close()
+    open(path(f"finished{rank}"), "w").close()
 else:
-    wait_for(pidfile("rank0.pid"), pidfile("rank2.pid"), pidfile("grandchild.pid"))
+    wait_for("rank0.pid", "rank2.pid", "grandchild.pid")
     def load_batch():
         raise ValueError("bad batch 7 on purpose")
     load_batch()
@@ -274,18 +280,14 @@ def test_traceback_from_error_file(tmp_path: Path) -> None:
 def test_rank_killed_by_sigkill(tmp_path: Path) -> None:
     _script(
         tmp_path,
-        _WAIT_FOR
+        _PRELUDE
         + """
 import signal
-rank = int(os.environ["RANK"])
-here = os.path.dirname(os.path.abspath(__file__))
 if rank == 0:
-    with open(os.path.join(here, "tmp0"), "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(os.path.join(here, "tmp0"), os.path.join(here, "rank0.pid"))
+    write_pid("rank0.pid")
     time.sleep(60)
 else:
-    wait_for(os.path.join(here, "rank0.pid"))
+    wait_for("rank0.pid")
     os.kill(os.getpid(), signal.SIGKILL)
 """,
     )
@@ -297,15 +299,13 @@ else:
     assert _wait_gone(int((tmp_path / "rank0.pid").read_text()))
 
 
-_SLEEPER = """
-import os, time
-here = os.path.dirname(os.path.abspath(__file__))
-rank = os.environ["RANK"]
-with open(os.path.join(here, "tmp" + rank), "w") as f:
-    f.write(str(os.getpid()))
-os.rename(os.path.join(here, "tmp" + rank), os.path.join(here, f"rank{rank}.pid"))
+_SLEEPER = (
+    _PRELUDE
+    + """
+write_pid(f"rank{rank}.pid")
 time.sleep(60)
 """
+)
 
 
 def _start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[Path]]:
@@ -420,26 +420,12 @@ def test_gpu_binding_end_to_end(tmp_path: Path) -> None:
     env = _env(tmp_path, DPT_ALLOW_SHARED_GPU="1")
     env.pop("CUDA_VISIBLE_DEVICES")
     nproc = count + 1
-    res = subprocess.run(
-        _launch_cmd("--nproc-per-node", str(nproc), "worker.py"),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        timeout=100,
-        check=False,
-    )
+    res = _launch(tmp_path, "--nproc-per-node", str(nproc), "worker.py", timeout=100, environ=env)
     assert res.returncode == 0, res.stderr.decode()
     got = dict(line.split() for line in res.stdout.decode().splitlines())
     assert got == {str(r): str(r % count) for r in range(nproc)}
     env.pop("DPT_ALLOW_SHARED_GPU")
-    res = subprocess.run(
-        _launch_cmd("--nproc-per-node", str(nproc), "worker.py"),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        timeout=100,
-        check=False,
-    )
+    res = _launch(tmp_path, "--nproc-per-node", str(nproc), "worker.py", timeout=100, environ=env)
     assert res.returncode == 2 and b"DPT_ALLOW_SHARED_GPU=1" in res.stderr
 
 

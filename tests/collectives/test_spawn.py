@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import collectives
-from collectives._spawn import Parallel, SpawnError, spawn
+from collectives import Parallel, SpawnError, spawn
 
 needs_cpu = pytest.mark.skipif(
     "cpu" not in collectives.available_backends(),

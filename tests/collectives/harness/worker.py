@@ -57,7 +57,7 @@ def main() -> int:
         # would hold its GPU, its shared memory and its ports.
         import signal
 
-        from collectives._spawn import set_parent_death_signal
+        from collectives._launch import set_parent_death_signal
 
         set_parent_death_signal(signal.SIGKILL, int(parent))
     commands: TextIO = sys.stdin
