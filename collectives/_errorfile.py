@@ -25,6 +25,7 @@ from ._exit import on_uncaught
 
 __all__ = [
     "ERROR_FILE_ENV",
+    "exception_name",
     "extract_traceback",
     "install_excepthook",
     "read_error_file",
@@ -38,7 +39,9 @@ _MAX_ERROR_FILE_BYTES = 1 << 20
 _MAX_TRACEBACK_CHARS = 256 * 1024
 
 
-def _qualified_name(exc_type: type[BaseException]) -> str:
+def exception_name(exc_type: type[BaseException]) -> str:
+    """The name a failure report gives an exception's class, as Python's traceback prints it:
+    ``ValueError``, ``MyError`` (defined in ``__main__``), ``pkg.module.MyError``."""
     module = exc_type.__module__
     name = exc_type.__qualname__
     return name if module in ("builtins", "__main__") else f"{module}.{name}"
@@ -74,7 +77,7 @@ def write_error_file(
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     record = {
         "rank": _env_rank(),
-        "exc_type": _qualified_name(exc_type),
+        "exc_type": exception_name(exc_type),
         "message": "" if exc is None else str(exc),
         "traceback": text[-_MAX_TRACEBACK_CHARS:],
         "time": time.time(),

@@ -49,6 +49,7 @@ __all__ = [
     "format_failure",
     "free_port",
     "gpu_assignment",
+    "killed_hint",
     "load_prctl",
     "new_run_id",
     "pick_first",
@@ -314,6 +315,11 @@ def describe_exit(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal_name(-returncode)}"
     return f"exited with code {returncode}"
+
+
+def killed_hint(returncode: int | None) -> str:
+    """What a report adds about a rank that a SIGKILL ended without a traceback."""
+    return " (out of memory? check `dmesg`)" if returncode == -signal.SIGKILL else ""
 
 
 def exit_status(returncode: int) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, NoReturn, overload
 
-from ._errorfile import ERROR_FILE_ENV
+from ._errorfile import ERROR_FILE_ENV, exception_name
 from ._launch import (
     DEFAULT_GRACE_PERIOD,
     Failure,
@@ -35,6 +35,7 @@ from ._launch import (
     format_failure,
     free_port,
     gpu_assignment,
+    killed_hint,
     load_prctl,
     new_run_id,
     pick_first,
@@ -104,17 +105,10 @@ class _ChildSpec:
     death_signal: bool
 
 
-def _qualname(exc: BaseException) -> str:
-    cls = type(exc)
-    return (
-        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    )
-
-
 def _error_report(exc: BaseException, tb: TracebackType | None) -> dict[str, Any]:
     return {
         "status": "error",
-        "exc_type": _qualname(exc),
+        "exc_type": exception_name(type(exc)),
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
         "time": time.time(),
@@ -300,9 +294,8 @@ class SpawnContext:
                 time=report.get("time") if isinstance(report.get("time"), float) else None,
             )
         if rc is not None and rc != 0:
-            note = f"it left no traceback: {describe_exit(rc)} before it could report one" + (
-                " (out of memory? see dmesg)" if rc == -signal.SIGKILL else ""
-            )
+            note = f"it left no traceback: {describe_exit(rc)} before it could report one"
+            note += killed_hint(rc)
             return Failure(rank=rank, returncode=rc, note=note)
         return None
 

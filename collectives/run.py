@@ -53,6 +53,7 @@ from ._launch import (
     format_failure,
     free_port,
     gpu_assignment,
+    killed_hint,
     load_prctl,
     new_run_id,
     pick_first,
@@ -462,8 +463,7 @@ class _Supervisor:
         note = "no traceback: it wrote no error file and no Python traceback to stderr"
         if rc is not None and rc < 0:
             note = f"no traceback: it was {describe_exit(rc)} before it could write one"
-            if rc == -signal.SIGKILL:
-                note += " (out of memory? check `dmesg`)"
+            note += killed_hint(rc)
         last_lines = text.rstrip().splitlines()[-10:]
         if last_lines:
             note += "\nlast lines of its stderr:\n" + "\n".join("  " + ln for ln in last_lines)
