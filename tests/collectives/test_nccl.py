@@ -1,6 +1,6 @@
 """The nccl backend: the binding, the backend on a fake libnccl, the real library on a CPU.
 
-* **Fake NCCL** (tests/fakes/fake_nccl.py over tests/fakes/fake_cupy.py): the shared
+* **Fake NCCL** (tests/fakes/fake_nccl.py over tests/fakes/fake_cupy/): the shared
   collective bodies (``bodies.py``) run at world sizes 1-4 with ranks as threads of this
   process, so every count, offset, root, dtype, in-place pointer and group call the backend
   passes is used for real. Then the failure paths: mismatches, timeouts, a rank that leaves,

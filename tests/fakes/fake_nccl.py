@@ -10,7 +10,7 @@ What it models, so that the backend's mistakes show:
 
 * Ranks are threads of one process (as NCCL allows with one GPU per thread); communicators of
   one unique id form a world. "Device memory" is host memory at the addresses the fake CuPy
-  (tests/fakes/fake_cupy.py) hands out, so every count, offset, root, dtype and in-place
+  (tests/fakes/fake_cupy/) hands out, so every count, offset, root, dtype and in-place
   pointer the backend passes is used for real: a wrong one gives a wrong result.
 * Operations are queued on the fake CuPy stream named by their ``cudaStream_t`` and run there
   in order, asynchronously to the host; events recorded after them complete when they ran.
