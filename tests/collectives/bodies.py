@@ -949,10 +949,7 @@ def work_wait_timeout(directory: str) -> dict[str, Any]:
             f.write("go")
         assert work.wait(timeout=60) is x
     else:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(flag):
-            assert time.monotonic() < deadline, "rank 0 never gave up waiting"
-            time.sleep(0.01)
+        assert wait_for_file(flag, 60), "rank 0 never gave up waiting"
         C.all_reduce(x)
         message, waited = "", 0.0
     check(x, np.full(5, n * (n + 1) / 2), "all_reduce completed after Work.wait timed out")
