@@ -1,4 +1,4 @@
-"""tensorlib's CuPy code paths on a fake CuPy (tests/fakes/fake_cupy.py), without a GPU.
+"""tensorlib's CuPy code paths on a fake CuPy (tests/fakes/fake_cupy/), without a GPU.
 
 * The `gpu`-marked tests are run again in a subprocess with ``TENSORLIB_FAKE_CUPY=1``, which
   makes tests/conftest.py install the fake: arrays of the wrong module mixed together, a

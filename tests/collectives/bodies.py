@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -628,10 +629,17 @@ def determinism(seed: int, size: int) -> str:
 
 
 # ---------------------------------------------------------------------------- validation
+NEXT = "#<next seq>"  # in a case's message fragments: "#N", the number the call would have had
+
+# A case: its name, the exception type, the call, then fragments its message must contain.
+_Case = tuple[str, type[Exception], Callable[[], object], *tuple[str, ...]]
+
+
 def _expect(
     cases: list[dict[str, Any]], name: str, exc_type: type[BaseException], fn: Any, *needles: str
 ) -> None:
     seq = C.get_default_group().seq
+    needles = tuple(f"#{seq + 1}" if s == NEXT else s for s in needles)
     try:
         fn()
     except exc_type as exc:
@@ -649,242 +657,88 @@ def _expect(
     assert after == seq, f"{name}: a rejected call consumed sequence number(s) {seq}..{after}"
 
 
+def _validation_cases(rank: int, n: int) -> list[_Case]:
+    """Every kind of bad argument, for rank ``rank`` of ``n`` (the last two need ``n > 1``)."""
+    f32 = np.ones(8, dtype=np.float32)
+    ro = _readonly(np.ones(8, dtype=np.float32))
+    # fmt: off
+    cases: list[_Case] = [
+        ("complex dtype", TypeError, lambda: C.all_reduce(np.ones(4, dtype=np.complex64)),
+         "all_reduce", NEXT, "unsupported dtype complex64"),
+        ("object dtype", TypeError, lambda: C.broadcast(np.array(["a"], dtype=object), 0),
+         "broadcast", NEXT),
+        ("list input", TypeError, lambda: C.all_reduce([1.0, 2.0]), "all_reduce"),
+        ("non-contiguous", ValueError, lambda: C.all_reduce(np.ones(16, dtype=np.float32)[::2]),
+         "all_reduce", NEXT, "not C-contiguous"),
+        ("non-contiguous all_gather", ValueError,
+         lambda: C.all_gather(np.ones((4, 4), dtype=np.float32).T),
+         "all_gather", "not C-contiguous"),
+        ("read-only all_reduce", ValueError, lambda: C.all_reduce(ro),
+         "all_reduce", NEXT, "read-only"),
+        ("read-only broadcast", ValueError, lambda: C.broadcast(ro, 0), "broadcast", "read-only"),
+        ("read-only reduce", ValueError, lambda: C.reduce(ro, 0), "reduce", "read-only"),
+        ("read-only out", ValueError,
+         lambda: C.all_gather(f32, out=_readonly(np.zeros((n, 8), np.float32))),
+         "all_gather", "read-only"),
+        ("broadcast src out of range", ValueError, lambda: C.broadcast(f32, n),
+         "broadcast", NEXT, f"src={n}", "not a member"),
+        ("broadcast src negative", ValueError, lambda: C.broadcast(f32, -1), "src=-1"),
+        ("broadcast src not an int", TypeError, lambda: C.broadcast(f32, cast(Any, "0")),
+         "src must be an int"),
+        ("broadcast src bool", TypeError, lambda: C.broadcast(f32, True), "src"),
+        ("reduce dst out of range", ValueError, lambda: C.reduce(f32, n + 3),
+         "reduce", NEXT, f"dst={n + 3}"),
+        ("send dst out of range", ValueError, lambda: C.send(f32, n), "send", f"dst={n}"),
+        ("recv src out of range", ValueError, lambda: C.recv(f32, -2), "recv", "src=-2"),
+        ("send to self", ValueError, lambda: C.send(f32, rank), "send", "this rank itself"),
+        ("recv from self", ValueError, lambda: C.recv(f32, rank), "recv", "this rank itself"),
+        ("AVG on ints", TypeError, lambda: C.all_reduce(np.ones(4, dtype=np.int32), "AVG"),
+         "all_reduce", NEXT, "AVG needs a floating dtype"),
+        ("AVG on ints reduce_scatter", TypeError,
+         lambda: C.reduce_scatter(np.ones(4 * n, dtype=np.int64), C.ReduceOp.AVG),
+         "reduce_scatter", "AVG"),
+        ("bad op string", ValueError, lambda: C.all_reduce(f32.copy(), "median"),
+         "all_reduce", NEXT, "median"),
+        ("op as int", ValueError, lambda: C.reduce(f32.copy(), 0, cast(Any, 3)), "reduce"),
+        ("reduce bool", TypeError, lambda: C.all_reduce(np.ones(4, dtype=bool)),
+         "all_reduce", "bool"),
+        ("all_gather out shape", ValueError,
+         lambda: C.all_gather(f32, out=np.zeros((n, 7), dtype=np.float32)),
+         "all_gather", NEXT, f"shape {(n, 8)}"),
+        ("all_gather out dtype", ValueError,
+         lambda: C.all_gather(f32, out=np.zeros((n, 8), dtype=np.float64)),
+         "all_gather", "dtype float32"),
+        ("reduce_scatter out shape", ValueError,
+         lambda: C.reduce_scatter(np.ones(2 * n, np.float32), out=np.zeros(3, np.float32)),
+         "reduce_scatter"),
+        ("all_to_all out dtype", ValueError,
+         lambda: C.all_to_all(np.ones(2 * n, np.float32), out=np.zeros(2 * n, np.int32)),
+         "all_to_all"),
+        ("reduce_scatter 0-d", ValueError,
+         lambda: C.reduce_scatter(np.array(1.0, dtype=np.float32)),
+         "reduce_scatter", "divisible"),
+    ]
+    if n > 1:
+        cases += [
+            ("reduce_scatter not divisible", ValueError,
+             lambda: C.reduce_scatter(np.ones(n + 1, np.float32)),
+             "reduce_scatter", NEXT, f"divisible by the group size {n}"),
+            ("all_to_all not divisible", ValueError,
+             lambda: C.all_to_all(np.ones((2 * n + 1, 3), np.float32)),
+             "all_to_all", "divisible"),
+        ]
+    cases.append(("alloc dtype", TypeError, lambda: C.alloc(4, np.complex128), "alloc"))
+    # fmt: on
+    return cases
+
+
 def validation() -> list[dict[str, Any]]:
     """Every kind of bad argument fails locally with a message naming rank, op and the
     sequence number the call would have had; then the group still works."""
     rank, n = _world()
     cases: list[dict[str, Any]] = []
-    nxt = lambda: f"#{C.get_default_group().seq + 1}"  # noqa: E731
-    me = f"[rank {rank}]"
-    f32 = np.ones(8, dtype=np.float32)
-    ro = np.ones(8, dtype=np.float32)
-    ro.flags.writeable = False
-
-    _expect(
-        cases,
-        "complex dtype",
-        TypeError,
-        lambda: C.all_reduce(np.ones(4, dtype=np.complex64)),
-        me,
-        "all_reduce",
-        nxt(),
-        "unsupported dtype complex64",
-    )
-    _expect(
-        cases,
-        "object dtype",
-        TypeError,
-        lambda: C.broadcast(np.array(["a"], dtype=object), 0),
-        me,
-        "broadcast",
-        nxt(),
-    )
-    _expect(cases, "list input", TypeError, lambda: C.all_reduce([1.0, 2.0]), me, "all_reduce")
-    _expect(
-        cases,
-        "non-contiguous",
-        ValueError,
-        lambda: C.all_reduce(np.ones(16, dtype=np.float32)[::2]),
-        me,
-        "all_reduce",
-        nxt(),
-        "not C-contiguous",
-    )
-    _expect(
-        cases,
-        "non-contiguous all_gather",
-        ValueError,
-        lambda: C.all_gather(np.ones((4, 4), dtype=np.float32).T),
-        me,
-        "all_gather",
-        "not C-contiguous",
-    )
-    _expect(
-        cases,
-        "read-only all_reduce",
-        ValueError,
-        lambda: C.all_reduce(ro),
-        me,
-        "all_reduce",
-        nxt(),
-        "read-only",
-    )
-    _expect(
-        cases,
-        "read-only broadcast",
-        ValueError,
-        lambda: C.broadcast(ro, 0),
-        me,
-        "broadcast",
-        "read-only",
-    )
-    _expect(
-        cases, "read-only reduce", ValueError, lambda: C.reduce(ro, 0), me, "reduce", "read-only"
-    )
-    _expect(
-        cases,
-        "read-only out",
-        ValueError,
-        lambda: C.all_gather(f32, out=_readonly(np.zeros((n, 8), np.float32))),
-        me,
-        "all_gather",
-        "read-only",
-    )
-    _expect(
-        cases,
-        "broadcast src out of range",
-        ValueError,
-        lambda: C.broadcast(f32, n),
-        me,
-        "broadcast",
-        nxt(),
-        f"src={n}",
-        "not a member",
-    )
-    _expect(cases, "broadcast src negative", ValueError, lambda: C.broadcast(f32, -1), me, "src=-1")
-    _expect(
-        cases,
-        "broadcast src not an int",
-        TypeError,
-        lambda: C.broadcast(f32, cast(Any, "0")),
-        me,
-        "src must be an int",
-    )
-    _expect(cases, "broadcast src bool", TypeError, lambda: C.broadcast(f32, True), me, "src")
-    _expect(
-        cases,
-        "reduce dst out of range",
-        ValueError,
-        lambda: C.reduce(f32, n + 3),
-        me,
-        "reduce",
-        nxt(),
-        f"dst={n + 3}",
-    )
-    _expect(
-        cases, "send dst out of range", ValueError, lambda: C.send(f32, n), me, "send", f"dst={n}"
-    )
-    _expect(
-        cases, "recv src out of range", ValueError, lambda: C.recv(f32, -2), me, "recv", "src=-2"
-    )
-    _expect(
-        cases, "send to self", ValueError, lambda: C.send(f32, rank), me, "send", "this rank itself"
-    )
-    _expect(
-        cases,
-        "recv from self",
-        ValueError,
-        lambda: C.recv(f32, rank),
-        me,
-        "recv",
-        "this rank itself",
-    )
-    _expect(
-        cases,
-        "AVG on ints",
-        TypeError,
-        lambda: C.all_reduce(np.ones(4, dtype=np.int32), "AVG"),
-        me,
-        "all_reduce",
-        nxt(),
-        "AVG needs a floating dtype",
-    )
-    _expect(
-        cases,
-        "AVG on ints reduce_scatter",
-        TypeError,
-        lambda: C.reduce_scatter(np.ones(4 * n, dtype=np.int64), C.ReduceOp.AVG),
-        me,
-        "reduce_scatter",
-        "AVG",
-    )
-    _expect(
-        cases,
-        "bad op string",
-        ValueError,
-        lambda: C.all_reduce(f32.copy(), "median"),
-        me,
-        "all_reduce",
-        nxt(),
-        "median",
-    )
-    _expect(
-        cases, "op as int", ValueError, lambda: C.reduce(f32.copy(), 0, cast(Any, 3)), me, "reduce"
-    )
-    _expect(
-        cases,
-        "reduce bool",
-        TypeError,
-        lambda: C.all_reduce(np.ones(4, dtype=bool)),
-        me,
-        "all_reduce",
-        "bool",
-    )
-    _expect(
-        cases,
-        "all_gather out shape",
-        ValueError,
-        lambda: C.all_gather(f32, out=np.zeros((n, 7), dtype=np.float32)),
-        me,
-        "all_gather",
-        nxt(),
-        f"shape {(n, 8)}",
-    )
-    _expect(
-        cases,
-        "all_gather out dtype",
-        ValueError,
-        lambda: C.all_gather(f32, out=np.zeros((n, 8), dtype=np.float64)),
-        me,
-        "all_gather",
-        "dtype float32",
-    )
-    _expect(
-        cases,
-        "reduce_scatter out shape",
-        ValueError,
-        lambda: C.reduce_scatter(np.ones(2 * n, np.float32), out=np.zeros(3, np.float32)),
-        me,
-        "reduce_scatter",
-    )
-    _expect(
-        cases,
-        "all_to_all out dtype",
-        ValueError,
-        lambda: C.all_to_all(np.ones(2 * n, np.float32), out=np.zeros(2 * n, np.int32)),
-        me,
-        "all_to_all",
-    )
-    _expect(
-        cases,
-        "reduce_scatter 0-d",
-        ValueError,
-        lambda: C.reduce_scatter(np.array(1.0, dtype=np.float32)),
-        me,
-        "reduce_scatter",
-        "divisible",
-    )
-    if n > 1:
-        _expect(
-            cases,
-            "reduce_scatter not divisible",
-            ValueError,
-            lambda: C.reduce_scatter(np.ones(n + 1, np.float32)),
-            me,
-            "reduce_scatter",
-            nxt(),
-            f"divisible by the group size {n}",
-        )
-        _expect(
-            cases,
-            "all_to_all not divisible",
-            ValueError,
-            lambda: C.all_to_all(np.ones((2 * n + 1, 3), np.float32)),
-            me,
-            "all_to_all",
-            "divisible",
-        )
-    _expect(cases, "alloc dtype", TypeError, lambda: C.alloc(4, np.complex128), me, "alloc")
+    for name, exc_type, call, *needles in _validation_cases(rank, n):
+        _expect(cases, name, exc_type, call, f"[rank {rank}]", *needles)
     # Nothing moved and no sequence number was used: the group works.
     x = np.full(3, rank + 1.0)
     C.all_reduce(x)
@@ -1095,10 +949,7 @@ def work_wait_timeout(directory: str) -> dict[str, Any]:
             f.write("go")
         assert work.wait(timeout=60) is x
     else:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(flag):
-            assert time.monotonic() < deadline, "rank 0 never gave up waiting"
-            time.sleep(0.01)
+        assert wait_for_file(flag, 60), "rank 0 never gave up waiting"
         C.all_reduce(x)
         message, waited = "", 0.0
     check(x, np.full(5, n * (n + 1) / 2), "all_reduce completed after Work.wait timed out")

@@ -15,6 +15,9 @@ import pytest
 
 from tests.collectives.harness import PoolCache, leaked_segments, session_run_id
 
+# The shared checks of the bodies' results fail with pytest's detailed assertion messages.
+pytest.register_assert_rewrite("tests.collectives.expect")
+
 
 @pytest.fixture(scope="session")
 def shm_leak_check() -> Iterator[None]:

@@ -14,11 +14,7 @@ from typing import Any
 import numpy as np
 
 import collectives as C
-from tests.collectives.bodies import _try, check, data, reference
-
-
-def _world() -> tuple[int, int]:
-    return C.get_rank(), C.get_world_size()
+from tests.collectives.bodies import _try, _world, check, data, reference, wait_for_file
 
 
 def backend_info() -> dict[str, Any]:
@@ -79,10 +75,7 @@ def refs_until_done(directory: str, size: int) -> dict[str, Any]:
             time.sleep(0.01)
         released = not work.refs
     else:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(flag):
-            assert time.monotonic() < deadline, "rank 0 never checked its pending Work"
-            time.sleep(0.01)
+        assert wait_for_file(flag, 30), "rank 0 never checked its pending Work"
         C.all_reduce(x)
         pending, held, released = True, True, True
     check(x.get(), np.full(size, n * (n + 1) / 2, dtype=np.float32), "all_reduce after hold")
@@ -108,10 +101,7 @@ def wait_without_host_sync(directory: str) -> dict[str, Any]:
             f.write("go")
         stream.synchronize()
     else:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(flag):
-            assert time.monotonic() < deadline, "rank 0's wait() blocked"
-            time.sleep(0.01)
+        assert wait_for_file(flag, 30), "rank 0's wait() blocked"
         C.all_reduce(x)
     check(x.get(), np.full(7, n * (n + 1) / 2), "all_reduce waited on a stream")
     return {"returned_early": returned_early}

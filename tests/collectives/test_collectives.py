@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.collectives import expect
+from tests.collectives.expect import BLOCKS, DTYPE_OPS, NUMERIC
 from tests.collectives.harness import PoolCache, PoolSpec, RankPool
 from tests.collectives.harness.mpipool import mpi_unavailable_reason
 
@@ -35,12 +37,6 @@ ALL = [SERIAL, *CPU, *CHUNKED, *MPI, *MPI_VARIANTS]
 DEFAULT_CHUNKS = [SERIAL, *CPU, *MPI]
 MULTI = [s for s in ALL if s.world_size > 1]
 
-FLOATS = ["float16", "float32", "float64"]
-INTS = ["int8", "uint8", "int32", "int64"]
-NUMERIC = FLOATS + INTS
-OPS = ["SUM", "PROD", "MIN", "MAX", "AVG"]
-DTYPE_OPS = [(d, op) for d in NUMERIC for op in OPS if op != "AVG" or d in FLOATS]
-
 
 def sizes_for(pool: RankPool) -> list[int]:
     """Odd sizes: empty, one, fewer than the ranks... and over the 64 KiB small-message limit
@@ -60,10 +56,6 @@ def pool(request: pytest.FixtureRequest, pool_cache: PoolCache) -> RankPool:
     return pool_cache.get(spec)
 
 
-def total(results: list[Any]) -> int:
-    return sum(int(r) for r in results)
-
-
 # ---------------------------------------------------------------------------- identity
 @params(ALL)
 def test_ranks_and_backend(pool: RankPool) -> None:
@@ -79,106 +71,75 @@ def test_ranks_and_backend(pool: RankPool) -> None:
 @params(ALL)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_all_reduce(pool: RankPool, seed: int, dtype: str, op: str) -> None:
-    sizes = sizes_for(pool)
-    got = pool.run("bodies:all_reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": sizes})
-    assert got == [sum(sizes) + sum(s for s in sizes if s >= 7)] * pool.world_size
+    expect.all_reduce(pool, seed, dtype, op, sizes_for(pool))
 
 
 @params(DEFAULT_CHUNKS)
 def test_all_reduce_large(pool: RankPool, seed: int) -> None:
-    got = pool.run(
-        "bodies:all_reduce",
-        {"seed": seed, "dtype": "float32", "op": "SUM", "sizes": [1_000_003], "iters": 1},
-    )
-    assert got == [1_000_003] * pool.world_size
+    expect.all_reduce(pool, seed, "float32", "SUM", [1_000_003], iters=1)
 
 
 @params(ALL)
 def test_all_reduce_tensor_and_nd(pool: RankPool, seed: int) -> None:
-    got = pool.run("bodies:all_reduce_tensor_2d", {"seed": seed})
-    assert total(got) == pool.world_size * 2 * (15 + 24 + 21_000)
+    expect.all_reduce_tensor_2d(pool, seed)
 
 
 # ---------------------------------------------------------------------------- broadcast, reduce
 @params(ALL)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_broadcast_every_src(pool: RankPool, seed: int, dtype: str) -> None:
-    sizes = sizes_for(pool)
-    got = pool.run("bodies:broadcast", {"seed": seed, "dtype": dtype, "sizes": sizes})
-    assert got == [pool.world_size * sum(sizes)] * pool.world_size
+    expect.broadcast(pool, seed, dtype, sizes_for(pool))
 
 
 @params(DEFAULT_CHUNKS)
 def test_broadcast_large(pool: RankPool, seed: int) -> None:
-    got = pool.run("bodies:broadcast", {"seed": seed, "dtype": "float32", "sizes": [1_000_003]})
-    assert got == [pool.world_size * 1_000_003] * pool.world_size
+    expect.broadcast(pool, seed, "float32", [1_000_003])
 
 
 @params(ALL)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_reduce_every_dst(pool: RankPool, seed: int, dtype: str, op: str) -> None:
-    sizes = sizes_for(pool)
-    got = pool.run("bodies:reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": sizes})
-    n = pool.world_size
-    assert got == [sum(sizes) + (n - 1) * sum(s for s in sizes if s >= 7)] * n
+    expect.reduce(pool, seed, dtype, op, sizes_for(pool))
 
 
 # ---------------------------------------------------------------------------- gathers & scatters
 @params(ALL)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_all_gather(pool: RankPool, seed: int, dtype: str) -> None:
-    sizes = sizes_for(pool)
-    got = pool.run("bodies:all_gather", {"seed": seed, "dtype": dtype, "sizes": sizes})
-    n = pool.world_size
-    assert got == [2 * n * sum(3 * s for s in sizes)] * n
+    expect.all_gather(pool, seed, dtype, sizes_for(pool))
 
 
 @params(DEFAULT_CHUNKS)
 def test_all_gather_large(pool: RankPool, seed: int) -> None:
-    got = pool.run("bodies:all_gather", {"seed": seed, "dtype": "float32", "sizes": [1_000_003]})
-    assert got == [2 * pool.world_size * 1_000_003] * pool.world_size
+    expect.all_gather(pool, seed, "float32", [1_000_003])
 
 
 @params(ALL)
 def test_all_gather_tensor(pool: RankPool, seed: int) -> None:
-    assert pool.run("bodies:all_gather_tensor", {"seed": seed}) == [12 * pool.world_size] * (
-        pool.world_size
-    )
-
-
-BLOCKS = [0, 1, 7, 1025]
+    expect.all_gather_tensor(pool, seed)
 
 
 @params(ALL)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_reduce_scatter(pool: RankPool, seed: int, dtype: str, op: str) -> None:
-    got = pool.run(
-        "bodies:reduce_scatter", {"seed": seed, "dtype": dtype, "op": op, "blocks": BLOCKS}
-    )
-    assert got == [sum(4 * k for k in BLOCKS)] * pool.world_size
+    expect.reduce_scatter(pool, seed, dtype, op, BLOCKS)
 
 
 @params(DEFAULT_CHUNKS)
 def test_reduce_scatter_large(pool: RankPool, seed: int) -> None:
-    k = 1_000_003 // pool.world_size
-    got = pool.run(
-        "bodies:reduce_scatter", {"seed": seed, "dtype": "float32", "op": "SUM", "blocks": [k]}
-    )
-    assert got == [4 * k] * pool.world_size
+    expect.reduce_scatter(pool, seed, "float32", "SUM", [1_000_003 // pool.world_size])
 
 
 @params(ALL)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_all_to_all(pool: RankPool, seed: int, dtype: str) -> None:
-    got = pool.run("bodies:all_to_all", {"seed": seed, "dtype": dtype, "blocks": BLOCKS})
-    n = pool.world_size
-    assert got == [2 * n * sum(3 * k for k in BLOCKS)] * n
+    expect.all_to_all(pool, seed, dtype, BLOCKS)
 
 
 # ---------------------------------------------------------------------------- barrier
 @params(ALL)
 def test_barrier(pool: RankPool, tmp_path: Path) -> None:
-    assert pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * pool.world_size
+    expect.barrier(pool, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------- point to point
@@ -190,50 +151,34 @@ P2P_SIZES = [0, 1, 7, 4097, 300_007]  # 300_007 float64 = 2.3 MiB: three 1 MiB c
 @pytest.mark.parametrize("senders_first", ["even", "odd"])
 def test_send_recv_ring(pool: RankPool, seed: int, dtype: str, senders_first: str) -> None:
     sizes = P2P_SIZES if pool.tag != "4k" else [0, 1, 7, 4097, 20_011]
-    got = pool.run(
-        "bodies:send_recv_ring",
-        {"seed": seed, "dtype": dtype, "sizes": sizes, "senders_first": senders_first},
-    )
-    assert got == [sum(sizes)] * pool.world_size
+    expect.send_recv_ring(pool, seed, dtype, sizes, senders_first)
 
 
 @params(MULTI)
 def test_send_several_before_recv(pool: RankPool, seed: int) -> None:
     """Sends complete before the receiver posts (eagerly buffered); none overwrites another."""
-    got = pool.run("bodies:send_many_then_recv", {"seed": seed, "count": 6, "delay": 0.2})
-    assert got[:2] == [6, 6]
+    expect.send_many_then_recv(pool, seed, count=6, delay=0.2)
 
 
 @params(MULTI)
 def test_send_recv_async(pool: RankPool, seed: int) -> None:
-    assert pool.run("bodies:send_recv_async", {"seed": seed, "size": 501}) == [501] * (
-        pool.world_size
-    )
+    expect.send_recv_async(pool, seed, 501)
 
 
 # ---------------------------------------------------------------------------- objects
 @params(ALL)
 def test_object_collectives(pool: RankPool, seed: int) -> None:
-    got = pool.run("bodies:objects", {"seed": seed})
-    assert got == [{"sources": pool.world_size, "gathered": pool.world_size}] * pool.world_size
+    expect.objects(pool, seed)
 
 
 @params(ALL)
 def test_object_not_json_raises_type_error(pool: RankPool) -> None:
-    for errors in pool.run("bodies:objects_not_json"):
-        assert len(errors) == 3
-        assert all("JSON" in e for e in errors), errors
+    expect.objects_not_json(pool)
 
 
 @params([SERIAL, *CPU])
 def test_broadcast_object_not_json_fails_every_rank(pool: RankPool) -> None:
-    src = pool.world_size - 1
-    got = pool.run("bodies:broadcast_object_not_json", {"src": src}, deadline=30)
-    for rank, res in enumerate(got):
-        if rank == src:
-            assert res["type"] == "TypeError" and "JSON" in res["message"], res
-        else:
-            assert f"source rank {src}" in res["message"], res
+    expect.broadcast_object_not_json(pool, pool.world_size - 1, deadline=30)
 
 
 # ---------------------------------------------------------------------------- subgroups
@@ -244,18 +189,7 @@ def test_broadcast_object_not_json_fails_every_rank(pool: RankPool) -> None:
 )
 @params([PoolSpec("cpu", 4), PoolSpec("mpi", 4)])
 def test_subgroup(pool: RankPool, seed: int, members: list[int], src: int) -> None:
-    got = pool.run("bodies:subgroups", {"seed": seed, "members": members, "src": src})
-    for rank, res in enumerate(got):
-        if rank in members:
-            assert res == {
-                "member": True,
-                "group_rank": members.index(rank),
-                "group_size": len(members),
-            }
-        else:
-            assert res["member"] is False
-            assert len(res["errors"]) == 3
-            assert all(f"rank {rank}" in e and "not a member" in e for e in res["errors"])
+    expect.subgroups(pool, seed, members, src)
 
 
 @params([PoolSpec("cpu", 3), PoolSpec("mpi", 3)])
@@ -270,30 +204,23 @@ def test_subgroup_root_outside_group(pool: RankPool) -> None:
 @pytest.mark.parametrize("pattern", ["all", "mixed", "slice"])
 @pytest.mark.parametrize("size", [7, 100_003])
 def test_alloc_all_reduce(pool: RankPool, seed: int, pattern: str, size: int) -> None:
-    got = pool.run("bodies:alloc_all_reduce", {"seed": seed, "size": size, "pattern": pattern})
-    assert got == [6 * size] * pool.world_size
+    expect.alloc_all_reduce(pool, seed, size, pattern)
 
 
 @params(ALL)
 def test_alloc_buckets_async(pool: RankPool, seed: int) -> None:
-    sizes = [20_000, 70_001, 3, 40_000]
-    got = pool.run("bodies:alloc_buckets_async", {"seed": seed, "sizes": sizes})
-    assert got == [sum(sizes)] * pool.world_size
+    expect.alloc_buckets_async(pool, seed, [20_000, 70_001, 3, 40_000])
 
 
 # ---------------------------------------------------------------------------- async
 @params([PoolSpec("cpu", 2), PoolSpec("cpu", 4), PoolSpec("mpi", 2), *MPI_VARIANTS[:1]])
 def test_work_wait_timeout_leaves_collective_running(pool: RankPool, tmp_path: Path) -> None:
-    got = pool.run("bodies:work_wait_timeout", {"directory": str(tmp_path)})
-    msg = got[0]["message"]
-    assert "Work.wait(timeout=0.2) expired" in msg and "all_reduce #" in msg, msg
-    assert "still in flight" in msg
-    assert got[0]["waited"] >= 0.2
+    expect.work_wait_timeout(pool, str(tmp_path))
 
 
 @params(ALL)
 def test_async_several_in_flight(pool: RankPool, seed: int) -> None:
-    assert pool.run("bodies:async_in_flight", {"seed": seed}) == [5] * pool.world_size
+    expect.async_in_flight(pool, seed)
 
 
 @params(ALL)
@@ -305,19 +232,14 @@ def test_async_overlaps_computation(pool: RankPool, seed: int) -> None:
 
 @params(ALL)
 def test_many_in_flight(pool: RankPool, seed: int) -> None:
-    assert pool.run("bodies:many_in_flight", {"seed": seed, "count": 200}) == [200] * (
-        pool.world_size
-    )
+    expect.many_in_flight(pool, seed, 200)
 
 
 # ---------------------------------------------------------------------------- determinism
 @params(MULTI)
 @pytest.mark.parametrize("size", [1_001, 300_007])
 def test_all_reduce_bitwise_deterministic(pool: RankPool, seed: int, size: int) -> None:
-    first = pool.run("bodies:determinism", {"seed": seed, "size": size})
-    second = pool.run("bodies:determinism", {"seed": seed, "size": size})
-    assert len(set(first)) == 1, "ranks disagree"
-    assert first == second, "two runs of the same all_reduce differ"
+    expect.determinism(pool, seed, size)
 
 
 @pytest.mark.slow
@@ -343,8 +265,7 @@ FAKE_CUPY = (("DPT_TEST_FAKE_CUPY", "1"),)
 )
 def test_cupy_arrays_staged_through_host(pool: RankPool, seed: int) -> None:
     """On tests/fakes' CuPy (host memory that refuses implicit NumPy conversion)."""
-    got = pool.run("bodies:cupy_arrays", {"seed": seed})
-    assert got == [3 * (7 + 100_003)] * pool.world_size
+    expect.cupy_arrays(pool, seed)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -352,10 +273,4 @@ def test_cupy_arrays_staged_through_host(pool: RankPool, seed: int) -> None:
 def test_argument_validation(pool: RankPool) -> None:
     """The body checks each error's type and text (rank, op, the sequence number the call
     would have had, what is wrong) and that nothing moved; here: every case ran everywhere."""
-    got = pool.run("bodies:validation")
-    names = [c["case"] for c in got[0]]
-    assert len(names) == 29 + (2 if pool.world_size > 1 else 0), names
-    for rank, cases in enumerate(got):
-        assert [c["case"] for c in cases] == names
-        for c in cases:
-            assert c["message"].startswith(f"[rank {rank}] "), c
+    expect.validation(pool)

@@ -1,6 +1,6 @@
 """The nccl backend: the binding, the backend on a fake libnccl, the real library on a CPU.
 
-* **Fake NCCL** (tests/fakes/fake_nccl.py over tests/fakes/fake_cupy.py): the shared
+* **Fake NCCL** (tests/fakes/fake_nccl.py over tests/fakes/fake_cupy/): the shared
   collective bodies (``bodies.py``) run at world sizes 1-4 with ranks as threads of this
   process, so every count, offset, root, dtype, in-place pointer and group call the backend
   passes is used for real. Then the failure paths: mismatches, timeouts, a rank that leaves,
@@ -32,6 +32,8 @@ import pytest
 from collectives._errors import CollectiveError
 from collectives.backends import _nccl_lib as L
 from collectives.backends import _nccl_load
+from tests.collectives import expect
+from tests.collectives.expect import BLOCKS, DTYPE_OPS, MISMATCHES, NUMERIC, results
 from tests.collectives.harness import RankPool
 from tests.collectives.nccl_threads import RankThreads, ThreadPoolError
 from tests.fakes import fake_cupy, fake_nccl
@@ -39,13 +41,7 @@ from tests.fakes import fake_cupy, fake_nccl
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
-FLOATS = ["float16", "float32", "float64"]
-INTS = ["int8", "uint8", "int32", "int64"]
-NUMERIC = FLOATS + INTS
-OPS = ["SUM", "PROD", "MIN", "MAX", "AVG"]
-DTYPE_OPS = [(d, op) for d in NUMERIC for op in OPS if op != "AVG" or d in FLOATS]
 SIZES = [0, 1, 7, 4097, 70_001]
-BLOCKS = [0, 1, 7, 1025]
 SIZES_N = [1, 2, 3, 4]
 LONG = 60.0  # a group timeout no passing test gets near
 FAST = 10.0  # "within seconds" on a loaded 2-core machine
@@ -134,12 +130,6 @@ def launch(fresh: list[RankThreads], n: int, **kw: Any) -> RankThreads:
 
 def params(sizes: list[int]) -> Any:
     return pytest.mark.parametrize("pool", sizes, indirect=True, ids=[f"n{n}" for n in sizes])
-
-
-def results(replies: list[Any]) -> list[Any]:
-    bad = [r.describe() for r in replies if not r.ok]
-    assert not bad, "\n".join(bad)
-    return [r.result for r in replies]
 
 
 # ============================================================================ the binding
@@ -311,99 +301,72 @@ def test_backend_and_devices(pool: RankThreads) -> None:
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_all_reduce(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
-    got = pool.run("bodies:all_reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES})
-    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * pool.world_size
+    expect.all_reduce(pool, seed, dtype, op, SIZES)
 
 
 @params(SIZES_N)
 def test_all_reduce_tensor_and_nd(pool: RankThreads, seed: int) -> None:
-    got = pool.run("bodies:all_reduce_tensor_2d", {"seed": seed})
-    assert sum(got) == pool.world_size * 2 * (15 + 24 + 21_000)
+    expect.all_reduce_tensor_2d(pool, seed)
 
 
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_broadcast_every_src(pool: RankThreads, seed: int, dtype: str) -> None:
-    got = pool.run("bodies:broadcast", {"seed": seed, "dtype": dtype, "sizes": SIZES})
-    assert got == [pool.world_size * sum(SIZES)] * pool.world_size
+    expect.broadcast(pool, seed, dtype, SIZES)
 
 
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_reduce_every_dst(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
-    got = pool.run("bodies:reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES})
-    n = pool.world_size
-    assert got == [sum(SIZES) + (n - 1) * sum(s for s in SIZES if s >= 7)] * n
+    expect.reduce(pool, seed, dtype, op, SIZES)
 
 
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_all_gather(pool: RankThreads, seed: int, dtype: str) -> None:
-    got = pool.run("bodies:all_gather", {"seed": seed, "dtype": dtype, "sizes": SIZES})
-    n = pool.world_size
-    assert got == [2 * n * sum(3 * s for s in SIZES)] * n
-    assert pool.run("bodies:all_gather_tensor", {"seed": seed}) == [12 * n] * n
+    expect.all_gather(pool, seed, dtype, SIZES)
+    expect.all_gather_tensor(pool, seed)
 
 
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype,op", DTYPE_OPS)
 def test_reduce_scatter(pool: RankThreads, seed: int, dtype: str, op: str) -> None:
-    got = pool.run(
-        "bodies:reduce_scatter", {"seed": seed, "dtype": dtype, "op": op, "blocks": BLOCKS}
-    )
-    assert got == [sum(4 * k for k in BLOCKS)] * pool.world_size
+    expect.reduce_scatter(pool, seed, dtype, op, BLOCKS)
 
 
 @params(SIZES_N)
 @pytest.mark.parametrize("dtype", [*NUMERIC, "bool"])
 def test_all_to_all(pool: RankThreads, seed: int, dtype: str, fake: fake_nccl.FakeNccl) -> None:
     before = fake.counts["ncclGroupStart"]
-    got = pool.run("bodies:all_to_all", {"seed": seed, "dtype": dtype, "blocks": BLOCKS})
+    expect.all_to_all(pool, seed, dtype, BLOCKS)
     n = pool.world_size
-    assert got == [2 * n * sum(3 * k for k in BLOCKS)] * n
     # Blocks of 0 elements send nothing; the others go as send/recv pairs in a group.
     assert fake.counts["ncclGroupStart"] - before == n * 2 * 2 * 3
 
 
 @params(SIZES_N)
 def test_barrier(pool: RankThreads, tmp_path: Path) -> None:
-    assert pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * pool.world_size
+    expect.barrier(pool, str(tmp_path))
 
 
 @params([2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float16", "int32", "uint8", "bool"])
 @pytest.mark.parametrize("senders_first", ["even", "odd"])
 def test_send_recv_ring(pool: RankThreads, seed: int, dtype: str, senders_first: str) -> None:
-    sizes = [0, 1, 7, 4097, 300_007]
-    got = pool.run(
-        "bodies:send_recv_ring",
-        {"seed": seed, "dtype": dtype, "sizes": sizes, "senders_first": senders_first},
-    )
-    assert got == [sum(sizes)] * pool.world_size
+    expect.send_recv_ring(pool, seed, dtype, [0, 1, 7, 4097, 300_007], senders_first)
 
 
 @params([2, 3])
 def test_send_several_before_recv_and_async(pool: RankThreads, seed: int) -> None:
-    got = pool.run("bodies:send_many_then_recv", {"seed": seed, "count": 6, "delay": 0.2})
-    assert got[:2] == [6, 6]
-    assert pool.run("bodies:send_recv_async", {"seed": seed, "size": 501}) == [501] * (
-        pool.world_size
-    )
+    expect.send_many_then_recv(pool, seed, count=6, delay=0.2)
+    expect.send_recv_async(pool, seed, 501)
 
 
 @params(SIZES_N)
 def test_object_collectives(pool: RankThreads, seed: int) -> None:
-    n = pool.world_size
-    assert pool.run("bodies:objects", {"seed": seed}) == [{"sources": n, "gathered": n}] * n
-    for errors in pool.run("bodies:objects_not_json"):
-        assert len(errors) == 3 and all("JSON" in e for e in errors), errors
-    src = n - 1
-    got = pool.run("bodies:broadcast_object_not_json", {"src": src})
-    for rank, res in enumerate(got):
-        if rank == src:
-            assert res["type"] == "TypeError" and "JSON" in res["message"], res
-        else:
-            assert f"source rank {src}" in res["message"], res
+    expect.objects(pool, seed)
+    expect.objects_not_json(pool)
+    expect.broadcast_object_not_json(pool, pool.world_size - 1)
 
 
 SUBGROUPS = [([0, 2], 2), ([2, 0], 0), ([1], 1), ([3, 1, 2], 1), ([0, 1, 2, 3], 3)]
@@ -424,16 +387,7 @@ def test_subgroup(
     if split == "fresh-id":
         monkeypatch.setenv("DPT_NCCL_SPLIT", "0")
     before = fake.counts["ncclCommSplit"]
-    got = pool.run("bodies:subgroups", {"seed": seed, "members": members, "src": src})
-    for rank, res in enumerate(got):
-        if rank in members:
-            assert res == {
-                "member": True,
-                "group_rank": members.index(rank),
-                "group_size": len(members),
-            }
-        else:
-            assert res["member"] is False and len(res["errors"]) == 3
+    expect.subgroups(pool, seed, members, src)
     # Every rank of the default group takes part in a split (one-rank groups are serial).
     splits = fake.counts["ncclCommSplit"] - before
     assert splits == (4 if split == "split" and len(members) > 1 else 0)
@@ -442,46 +396,32 @@ def test_subgroup(
 @params(SIZES_N)
 @pytest.mark.parametrize("pattern", ["all", "slice"])
 def test_alloc_all_reduce(pool: RankThreads, seed: int, pattern: str) -> None:
-    got = pool.run("bodies:alloc_all_reduce", {"seed": seed, "size": 100_003, "pattern": pattern})
-    assert got == [6 * 100_003] * pool.world_size
-    sizes = [20_000, 70_001, 3, 40_000]
-    got = pool.run("bodies:alloc_buckets_async", {"seed": seed, "sizes": sizes})
-    assert got == [sum(sizes)] * pool.world_size
+    expect.alloc_all_reduce(pool, seed, 100_003, pattern)
+    expect.alloc_buckets_async(pool, seed, [20_000, 70_001, 3, 40_000])
 
 
 @params(SIZES_N)
 def test_async_in_flight(pool: RankThreads, seed: int) -> None:
-    assert pool.run("bodies:async_in_flight", {"seed": seed}) == [5] * pool.world_size
-    assert pool.run("bodies:many_in_flight", {"seed": seed, "count": 200}) == [200] * (
-        pool.world_size
-    )
+    expect.async_in_flight(pool, seed)
+    expect.many_in_flight(pool, seed, 200)
     assert pool.run("nccl_bodies:synchronize_waits", {"seed": seed}) == [5] * pool.world_size
 
 
 @params([2, 4])
 def test_all_reduce_deterministic(pool: RankThreads, seed: int) -> None:
-    first = pool.run("bodies:determinism", {"seed": seed, "size": 300_007})
-    second = pool.run("bodies:determinism", {"seed": seed, "size": 300_007})
-    assert len(set(first)) == 1 and first == second
+    expect.determinism(pool, seed, 300_007)
 
 
 @pytest.mark.parametrize("n", SIZES_N)
 def test_cupy_arrays_are_not_staged(fake: fake_nccl.FakeNccl, seed: int, n: int) -> None:
     """CuPy arrays go to NCCL as they are (their device pointers), results on their GPU.
     (The body puts a Tensor on cuda:0: all ranks share that GPU here.)"""
-    pool = _ALL_POOLS.get(n, "1gpu", one_gpu=True)
-    got = pool.run("bodies:cupy_arrays", {"seed": seed})
-    assert got == [3 * (7 + 100_003)] * pool.world_size
+    expect.cupy_arrays(_ALL_POOLS.get(n, "1gpu", one_gpu=True), seed)
 
 
 @params(SIZES_N)
 def test_argument_validation(pool: RankThreads) -> None:
-    got = pool.run("bodies:validation")
-    names = [c["case"] for c in got[0]]
-    assert len(names) == 29 + (2 if pool.world_size > 1 else 0), names
-    for rank, cases in enumerate(got):
-        for c in cases:
-            assert c["message"].startswith(f"[rank {rank}] "), c
+    expect.validation(pool)
 
 
 @params([2])
@@ -506,10 +446,7 @@ def test_wait_makes_the_stream_wait_not_the_host(pool: RankThreads, tmp_path: Pa
 
 @params([2, 4])
 def test_work_wait_timeout_leaves_collective_running(pool: RankThreads, tmp_path: Path) -> None:
-    got = pool.run("bodies:work_wait_timeout", {"directory": str(tmp_path)})
-    msg = got[0]["message"]
-    assert "Work.wait(timeout=0.2) expired" in msg and "still in flight" in msg, msg
-    assert got[0]["waited"] >= 0.2
+    expect.work_wait_timeout(pool, str(tmp_path))
 
 
 def test_in_progress_results_are_settled(fake: fake_nccl.FakeNccl, seed: int) -> None:
@@ -517,11 +454,8 @@ def test_in_progress_results_are_settled(fake: fake_nccl.FakeNccl, seed: int) ->
     pool = _ALL_POOLS.get(3)
     fake.in_progress_ops = 0.002
     try:
-        got = pool.run(
-            "bodies:all_reduce", {"seed": seed, "dtype": "float32", "op": "SUM", "sizes": [7, 999]}
-        )
-        assert got == [7 + 999 + 7 + 999] * 3
-        assert pool.run("bodies:all_to_all", {"seed": seed, "dtype": "int32", "blocks": [3]})
+        expect.all_reduce(pool, seed, "float32", "SUM", [7, 999])
+        expect.all_to_all(pool, seed, "int32", [3])
     finally:
         fake.in_progress_ops = 0.0
 
@@ -532,25 +466,12 @@ def test_signature_check_can_be_turned_off(
     monkeypatch.setenv("DPT_NCCL_CHECK", "0")
     pool = launch(fresh, 3, timeout=LONG)
     assert [g["check"] for g in pool.run("nccl_bodies:backend_info")] == [False] * 3
-    got = pool.run(
-        "bodies:all_reduce", {"seed": seed, "dtype": "int64", "op": "MAX", "sizes": SIZES}
-    )
-    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * 3
-    assert pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * 3
-    assert pool.run("bodies:send_recv_async", {"seed": seed, "size": 33}) == [33] * 3
+    expect.all_reduce(pool, seed, "int64", "MAX", SIZES)
+    expect.barrier(pool, str(tmp_path))
+    expect.send_recv_async(pool, seed, 33)
 
 
 # ============================================================================ fake: failures
-MISMATCHES = {
-    "op": ("all_reduce #2(dtype=float32, shape=(16,), op=SUM)", "broadcast #2(dtype=float32"),
-    "shape": ("shape=(16,)", "shape=(17,)"),
-    "dtype": ("dtype=float32", "dtype=float64"),
-    "root": ("root=0", "root=1"),
-    "reduce_op": ("op=SUM", "op=MAX"),
-    "large_shape": ("shape=(300000,)", "shape=(300001,)"),
-}
-
-
 @pytest.mark.parametrize("kind", list(MISMATCHES))
 def test_mismatch_fails_every_rank_fast(
     fresh: list[RankThreads], fake: fake_nccl.FakeNccl, kind: str
@@ -558,18 +479,8 @@ def test_mismatch_fails_every_rank_fast(
     pool = launch(fresh, 3, timeout=LONG)
     aborts, destroys = fake.counts["ncclCommAbort"], fake.counts["ncclCommDestroy"]
     got = results(pool.call("bodies:mismatch", {"kind": kind}, deadline=40))
-    ours, theirs = MISMATCHES[kind]
-    for rank, res in enumerate(got):
-        first = res["first"]
-        assert first["type"] == "CollectiveMismatchError", first
-        assert first["elapsed"] < FAST, first["elapsed"]
-        msg = first["message"]
-        assert f"[rank {rank}]" in msg and "#2" in msg and first["seq"] == 2, msg
-        assert "ranks [0, 1] called" in msg and "ranks [2] called" in msg, msg
-        assert ours in msg and theirs in msg, msg
-        after = res["after"]
-        assert after["type"] == "GroupAbortedError", after
-        assert "unusable" in after["message"] and "different collectives" in after["message"]
+    for after in expect.mismatched(got, kind, FAST):
+        assert "unusable" in after["message"], after
     # Every communicator was aborted (never destroyed: that could block on the hung call).
     assert fake.counts["ncclCommAbort"] - aborts == 3
     assert fake.counts["ncclCommDestroy"] == destroys
@@ -582,32 +493,18 @@ def test_timeout_names_op_seq_and_missing_rank(
     timeout = 1.5
     pool = launch(fresh, n, timeout=timeout)
     got = results(pool.call("bodies:skip_collective", {"sleep": timeout + 1.5, "skipper": skipper}))
-    for rank, res in enumerate(got):
-        if rank == skipper:
-            continue
-        assert res["type"] == "CollectiveTimeoutError", res
-        assert "TimeoutError" in res["classes"]
-        msg = res["message"]
-        assert "all_reduce #2" in msg and f"ranks [{skipper}] never arrived" in msg, msg
-        assert (res["op"], res["seq"]) == ("all_reduce", 2)
-        assert timeout - 0.1 <= res["elapsed"] < timeout + FAST, res["elapsed"]
     waiting = [r for r in range(n) if r != skipper]
-    after = results(
-        pool.call("bodies:collective_after_peer_death", {"timeout_hint": 0}, ranks=waiting)
-    )
-    for rep in after:
-        assert rep["type"] == "GroupAbortedError", rep
-        assert "timed out" in rep["message"] and rep["elapsed"] < 1.0, rep
+    for rank in waiting:
+        expect.timed_out(got[rank], timeout, FAST, f"ranks [{skipper}] never arrived")
+    after = pool.call("bodies:collective_after_peer_death", {"timeout_hint": 0}, ranks=waiting)
+    expect.aborted_after_timeout(results(after))
 
 
 def test_rank_arriving_after_timeout_fails_too(fresh: list[RankThreads]) -> None:
     timeout, late = 1.5, 1
     pool = launch(fresh, 3, timeout=timeout)
     got = results(pool.call("bodies:late_rank", {"sleep": timeout + 1.5, "late": late}))
-    for rank, res in enumerate(got):
-        assert res["type"] == "CollectiveTimeoutError", res
-        assert f"ranks [{late}] never arrived" in res["message"], res["message"]
-        assert res["value"] == rank + 1.0, "the failed all_reduce changed the data"
+    expect.late_rank_failed(got, late)
     assert got[late]["elapsed"] < 1.5
 
 
@@ -616,13 +513,7 @@ def test_rank_leaving_the_group_fails_waiting_peers_fast(fresh: list[RankThreads
     pool = launch(fresh, n, timeout=LONG)
     leaver = n - 1
     got = results(pool.call("nccl_bodies:leave_group", {"leaver": leaver}))
-    assert got[leaver] == {"type": None, "left": True}
-    for rank in range(n - 1):
-        res = got[rank]
-        assert res["type"] == "PeerFailureError", res
-        assert f"rank {leaver} left the group" in res["message"], res
-        assert (res["op"], res["seq"]) == ("all_reduce", 2)
-        assert res["elapsed"] < FAST, res["elapsed"]
+    expect.left_the_group(got, leaver, FAST)
 
 
 def test_dead_local_peer_fails_waiting_ranks_fast(
@@ -809,53 +700,26 @@ def gpu_params() -> Any:
 @gpu_params()
 @pytest.mark.parametrize("dtype,op", [("float32", "SUM"), ("float16", "MAX"), ("int64", "PROD")])
 def test_gpu_all_reduce(gpu_pool: RankPool, seed: int, dtype: str, op: str) -> None:
-    got = gpu_pool.run(
-        "bodies:all_reduce", {"seed": seed, "dtype": dtype, "op": op, "sizes": SIZES}
-    )
-    assert got == [sum(SIZES) + sum(s for s in SIZES if s >= 7)] * gpu_pool.world_size
+    expect.all_reduce(gpu_pool, seed, dtype, op, SIZES)
 
 
 @pytest.mark.gpu
 @gpu_params()
 def test_gpu_every_collective(gpu_pool: RankPool, seed: int, tmp_path: Path) -> None:
     n = gpu_pool.world_size
-    assert (
-        gpu_pool.run("bodies:broadcast", {"seed": seed, "dtype": "int32", "sizes": SIZES})
-        == [n * sum(SIZES)] * n
-    )
-    assert (
-        gpu_pool.run(
-            "bodies:reduce", {"seed": seed, "dtype": "float64", "op": "MIN", "sizes": SIZES}
-        )
-        == [sum(SIZES) + (n - 1) * sum(s for s in SIZES if s >= 7)] * n
-    )
-    assert (
-        gpu_pool.run("bodies:all_gather", {"seed": seed, "dtype": "uint8", "sizes": SIZES})
-        == [2 * n * sum(3 * s for s in SIZES)] * n
-    )
-    assert (
-        gpu_pool.run(
-            "bodies:reduce_scatter",
-            {"seed": seed, "dtype": "float32", "op": "AVG", "blocks": BLOCKS},
-        )
-        == [sum(4 * k for k in BLOCKS)] * n
-    )
-    assert (
-        gpu_pool.run("bodies:all_to_all", {"seed": seed, "dtype": "bool", "blocks": BLOCKS})
-        == [2 * n * sum(3 * k for k in BLOCKS)] * n
-    )
-    assert gpu_pool.run("bodies:barrier", {"directory": str(tmp_path)}) == [3] * n
-    assert gpu_pool.run("bodies:objects", {"seed": seed}) == [{"sources": n, "gathered": n}] * n
-    assert gpu_pool.run("bodies:async_in_flight", {"seed": seed}) == [5] * n
-    assert gpu_pool.run("bodies:cupy_arrays", {"seed": seed}) == [3 * (7 + 100_003)] * n
+    expect.broadcast(gpu_pool, seed, "int32", SIZES)
+    expect.reduce(gpu_pool, seed, "float64", "MIN", SIZES)
+    expect.all_gather(gpu_pool, seed, "uint8", SIZES)
+    expect.reduce_scatter(gpu_pool, seed, "float32", "AVG", BLOCKS)
+    expect.all_to_all(gpu_pool, seed, "bool", BLOCKS)
+    expect.barrier(gpu_pool, str(tmp_path))
+    expect.objects(gpu_pool, seed)
+    expect.async_in_flight(gpu_pool, seed)
+    expect.cupy_arrays(gpu_pool, seed)
     got = gpu_pool.run("bodies:validation")
     assert len(got[0]) == 29 + (2 if n > 1 else 0)
     if n > 1:
-        got = gpu_pool.run(
-            "bodies:send_recv_ring",
-            {"seed": seed, "dtype": "float32", "sizes": [1, 4097], "senders_first": "even"},
-        )
-        assert got == [4098] * n
+        expect.send_recv_ring(gpu_pool, seed, "float32", [1, 4097], "even")
         assert gpu_pool.run(
             "bodies:subgroups", {"seed": seed, "members": list(range(n))[::-1], "src": 0}
         )

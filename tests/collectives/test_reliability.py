@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.collectives import expect
+from tests.collectives.expect import MISMATCHES, results
 from tests.collectives.harness import PoolError, RankPool, Reply, leaked_segments
 
 pytestmark = pytest.mark.timeout(90)
@@ -43,46 +45,18 @@ def launch(pools: list[RankPool], world_size: int, **kw: Any) -> RankPool:
     return pool
 
 
-def results(replies: list[Reply]) -> list[Any]:
-    bad = [r.describe() for r in replies if not r.ok]
-    assert not bad, "\n".join(bad)
-    return [r.result for r in replies]
-
-
 def errtype(outcome: dict[str, Any]) -> str:
     return str(outcome.get("type"))
 
 
 # ---------------------------------------------------------------------------- (1) mismatch
-MISMATCHES = {
-    # kind: (the two signature fragments every rank's message must show)
-    "op": ("all_reduce #2(dtype=float32, shape=(16,), op=SUM)", "broadcast #2(dtype=float32"),
-    "shape": ("shape=(16,)", "shape=(17,)"),
-    "dtype": ("dtype=float32", "dtype=float64"),
-    "root": ("root=0", "root=1"),
-    "reduce_op": ("op=SUM", "op=MAX"),
-    "large_shape": ("shape=(300000,)", "shape=(300001,)"),
-}
-
-
 @pytest.mark.parametrize("kind", list(MISMATCHES))
 def test_mismatch_fails_every_rank_fast(pools: list[RankPool], kind: str) -> None:
     n = 3
     pool = launch(pools, n, timeout=LONG)
     got = results(pool.call("bodies:mismatch", {"kind": kind}, deadline=30, grace=None))
-    ours, theirs = MISMATCHES[kind]
-    for rank, res in enumerate(got):
-        first = res["first"]
-        assert errtype(first) == "CollectiveMismatchError", first
-        assert first["elapsed"] < FAST, f"rank {rank} took {first['elapsed']:.1f} s"
-        msg = first["message"]
-        assert f"[rank {rank}]" in msg and "#2" in msg and first["seq"] == 2, msg
-        assert "ranks [0, 1] called" in msg and "ranks [2] called" in msg, msg
-        assert ours in msg and theirs in msg, msg
-        # The group is unusable afterwards, and says why.
-        after = res["after"]
-        assert errtype(after) == "GroupAbortedError", after
-        assert "unusable" in after["message"] and "different collectives" in after["message"]
+    for after in expect.mismatched(got, kind, FAST):
+        assert "unusable" in after["message"], after
         assert after["elapsed"] < 1.0
 
 
@@ -100,27 +74,18 @@ def test_timeout_names_op_seq_and_missing_rank(pools: list[RankPool], n: int, sk
             grace=None,
         )
     )
-    for rank, res in enumerate(got):
-        if rank == skipper:
-            continue
-        assert errtype(res) == "CollectiveTimeoutError", res
-        assert "TimeoutError" in res["classes"]
-        msg = res["message"]
-        assert "all_reduce #2" in msg and f"ranks [{skipper}] never arrived" in msg, msg
-        assert (res["op"], res["seq"]) == ("all_reduce", 2)
+    waiting = [r for r in range(n) if r != skipper]
+    for rank in waiting:
         # It waited for the timeout (not less), and not much longer.
-        assert timeout - 0.1 <= res["elapsed"] < timeout + FAST, res["elapsed"]
+        expect.timed_out(got[rank], timeout, FAST, f"ranks [{skipper}] never arrived")
     # Every process was alive throughout: the skipper answered, and nobody exited.
     assert got[skipper] == {"type": None, "slept": timeout + 2.0, "pid": pool.pids[skipper]}
     assert all(pool.returncode(r) is None for r in range(n))
     # Afterwards the next collective of the ranks that timed out fails at once, saying why.
-    waiting = [r for r in range(n) if r != skipper]
     after = pool.call(
         "bodies:collective_after_peer_death", {"timeout_hint": 0}, ranks=waiting, deadline=30
     )
-    for rep in results(after):
-        assert errtype(rep) == "GroupAbortedError", rep
-        assert "timed out" in rep["message"] and rep["elapsed"] < 1.0, rep
+    expect.aborted_after_timeout(results(after))
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -128,13 +93,7 @@ def test_rank_leaving_the_group_fails_waiting_peers_fast(pools: list[RankPool], 
     pool = launch(pools, n, timeout=LONG)
     leaver = n - 1
     got = results(pool.call("bodies:leave_early", {"leaver": leaver}, deadline=60, grace=None))
-    assert got[leaver] == {"type": None, "left": True}
-    for rank in range(n - 1):
-        res = got[rank]
-        assert errtype(res) == "PeerFailureError", res
-        assert f"rank {leaver} left the group" in res["message"], res
-        assert (res["op"], res["seq"]) == ("all_reduce", 2)
-        assert res["elapsed"] < FAST, res["elapsed"]
+    expect.left_the_group(got, leaver, FAST)
 
 
 @pytest.mark.slow
@@ -148,10 +107,7 @@ def test_rank_arriving_after_timeout_fails_too(pools: list[RankPool]) -> None:
             "bodies:late_rank", {"sleep": timeout + 1.5, "late": late}, deadline=30, grace=None
         )
     )
-    for rank, res in enumerate(got):
-        assert errtype(res) == "CollectiveTimeoutError", res
-        assert f"ranks [{late}] never arrived" in res["message"], res["message"]
-        assert res["value"] == rank + 1.0, "the failed all_reduce changed the data"
+    expect.late_rank_failed(got, late)
     assert got[late]["elapsed"] < 1.0
 
 

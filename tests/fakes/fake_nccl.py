@@ -10,7 +10,7 @@ What it models, so that the backend's mistakes show:
 
 * Ranks are threads of one process (as NCCL allows with one GPU per thread); communicators of
   one unique id form a world. "Device memory" is host memory at the addresses the fake CuPy
-  (tests/fakes/fake_cupy.py) hands out, so every count, offset, root, dtype and in-place
+  (tests/fakes/fake_cupy/) hands out, so every count, offset, root, dtype and in-place
   pointer the backend passes is used for real: a wrong one gives a wrong result.
 * Operations are queued on the fake CuPy stream named by their ``cudaStream_t`` and run there
   in order, asynchronously to the host; events recorded after them complete when they ran.
@@ -216,6 +216,16 @@ class FakeNccl:
                     return int(f[1])
         return SUCCESS
 
+    def _enter(self, name: str, comm: Any, faults: bool = True) -> tuple[_Comm | None, int]:
+        """Count a call of ``name`` on handle ``comm``: its communicator and SUCCESS, or None
+        and the result to return (an invalid handle, or a fault injected for this call)."""
+        self.counts[name] += 1
+        c = self._comm(comm)
+        if c is None:
+            return None, self._err(INVALID_ARGUMENT, f"{name}: invalid communicator")
+        code = self._fault(name, c) if faults else SUCCESS
+        return (None, code) if code else (c, SUCCESS)
+
     def _err(self, code: int, message: str) -> int:
         self._last_error = message
         return code
@@ -351,12 +361,8 @@ class FakeNccl:
                 child.world = new
 
     def ncclCommFinalize(self, comm: Any) -> int:
-        self.counts["ncclCommFinalize"] += 1
-        c = self._comm(comm)
+        c, code = self._enter("ncclCommFinalize", comm)
         if c is None:
-            return self._err(INVALID_ARGUMENT, "ncclCommFinalize: invalid communicator")
-        code = self._fault("ncclCommFinalize", c)
-        if code:
             return code
         c.finalizing = True
         if c.blocking:
@@ -366,21 +372,16 @@ class FakeNccl:
         return IN_PROGRESS if c.inflight else SUCCESS
 
     def ncclCommDestroy(self, comm: Any) -> int:
-        self.counts["ncclCommDestroy"] += 1
-        c = self._comm(comm)
+        c, code = self._enter("ncclCommDestroy", comm)
         if c is None:
-            return self._err(INVALID_ARGUMENT, "ncclCommDestroy: invalid communicator")
-        code = self._fault("ncclCommDestroy", c)
-        if code:
             return code
         c.destroyed = True
         return SUCCESS
 
     def ncclCommAbort(self, comm: Any) -> int:
-        self.counts["ncclCommAbort"] += 1
-        c = self._comm(comm)
+        c, code = self._enter("ncclCommAbort", comm, faults=False)  # an abort always works
         if c is None:
-            return self._err(INVALID_ARGUMENT, "ncclCommAbort: invalid communicator")
+            return code
         c.aborted.set()
         c.destroyed = True
         if c.world is not None:
@@ -389,12 +390,8 @@ class FakeNccl:
         return SUCCESS
 
     def ncclCommGetAsyncError(self, comm: Any, state: ctypes.c_int) -> int:
-        self.counts["ncclCommGetAsyncError"] += 1
-        c = self._comm(comm)
+        c, code = self._enter("ncclCommGetAsyncError", comm)
         if c is None:
-            return self._err(INVALID_ARGUMENT, "ncclCommGetAsyncError: invalid communicator")
-        code = self._fault("ncclCommGetAsyncError", c)
-        if code:
             return code
         if c.async_error not in (SUCCESS, IN_PROGRESS):
             state.value = c.async_error

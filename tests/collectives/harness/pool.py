@@ -7,7 +7,6 @@ import os
 import secrets
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
+
+from collectives.run import free_port  # the launcher's own (re-exported as harness.free_port)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SHM_DIR = Path("/dev/shm")
@@ -41,13 +42,6 @@ def leaked_segments(run_id_prefix: str | None = None) -> list[str]:
         return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
     except FileNotFoundError:
         return []
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
