@@ -10,7 +10,7 @@ import pytest
 import tensorlib as tl
 from tensorlib import _device
 
-# TENSORLIB_FAKE_CUPY=1 runs the `gpu` tests on tests/fakes/fake_cupy.py (host memory that is as
+# TENSORLIB_FAKE_CUPY=1 runs the `gpu` tests on tests/fakes/fake_cupy/ (host memory that is as
 # strict as CuPy about mixing in NumPy arrays), so GPU code paths are exercised without a GPU.
 FAKE_CUPY = os.environ.get("TENSORLIB_FAKE_CUPY") == "1"
 if FAKE_CUPY:
