@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -24,3 +26,13 @@ def load_example(name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_to_end(
+    cmd: Sequence[str], env: Mapping[str, str], timeout: float, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end under a hard time limit (a hang fails the test with
+    ``TimeoutExpired``, never hangs CI), capturing stdout and stderr as text."""
+    return subprocess.run(
+        list(cmd), cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout
+    )

@@ -22,6 +22,7 @@ from benchmarks import _bench_report as br
 from benchmarks import _bench_sweep as bs
 from benchmarks import allreduce as ab
 from benchmarks import cpu_allreduce
+from tests.helpers import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["-b", "64", "-e", "1K", "-f", "4", "--iters", "2", "--warmup-iters", "1", "--blocks", "1"]
@@ -41,14 +42,8 @@ def _env(**extra: str) -> dict[str, str]:
 def bench(
     *args: str, env: dict[str, str] | None = None, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.allreduce", *args],
-        cwd=ROOT,
-        env=_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+    return run_to_end(
+        [sys.executable, "-m", "benchmarks.allreduce", *args], _env(**(env or {})), timeout
     )
 
 
@@ -253,11 +248,8 @@ def test_mpi_backend_inside_mpiexec_ranks() -> None:
     if (why := mpi_unavailable_reason()) is not None:
         pytest.skip(why)
     env = mpi_env(_env())
-    p = subprocess.run(
-        [*mpiexec_command(2), sys.executable, "-m", "benchmarks.allreduce", "--backend", "mpi",
-         *TINY],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110, check=False,
-    )  # fmt: skip
+    cmd = [*mpiexec_command(2), sys.executable, "-m", "benchmarks.allreduce", "--backend", "mpi"]
+    p = run_to_end([*cmd, *TINY], env, 110)
     assert p.returncode == 0, p.stderr
     assert "engine mpi, 2 ranks" in p.stdout and "running mpi" not in p.stderr
     rows = data_rows(p.stdout)

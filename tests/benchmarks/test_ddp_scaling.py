@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,10 +19,10 @@ def test_tiny_run_reports_every_phase(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(ROOT)
-    p = subprocess.run(
+    p = run_to_end(
         [sys.executable, "-m", "benchmarks.ddp_scaling", "--width", "64", "--depth", "2",
          "--steps", "2", "--rounds", "1", "--warmup", "1", "--no-torch", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110, check=False,
+        env, 110,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     for needle in ("1 rank, no DDP", "2 ranks, DDP", "scaling efficiency", "all-reduce of"):

@@ -19,7 +19,7 @@ import pytest
 
 from tests.collectives import expect
 from tests.collectives.expect import MISMATCHES, results
-from tests.collectives.harness import REPO_ROOT, PoolCache, PoolSpec, free_port
+from tests.collectives.harness import PoolCache, PoolSpec, free_port
 from tests.collectives.harness.mpipool import (
     MpiRankPool,
     mpi_env,
@@ -27,6 +27,7 @@ from tests.collectives.harness.mpipool import (
     mpiexec_command,
     mpiexec_flavor,
 )
+from tests.helpers import run_to_end
 
 _REASON = mpi_unavailable_reason()
 pytestmark = [
@@ -126,14 +127,7 @@ def test_default_backend_under_mpiexec_is_mpi() -> None:
         "sys.stdout.write(f'{C.get_backend()} {g.rank} {g.size}\\n'); sys.stdout.flush(); "
         "C.destroy_process_group()"
     )
-    proc = subprocess.run(
-        [*mpiexec_command(2), sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=mpi_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_to_end([*mpiexec_command(2), sys.executable, "-c", code], mpi_env(), 60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(ln for ln in proc.stdout.splitlines() if ln.strip())
     assert lines == ["mpi 0 2", "mpi 1 2"], proc.stdout
@@ -144,14 +138,7 @@ def test_singleton_under_another_launcher_is_an_error(tmp_path: Any) -> None:
     env = mpi_env()
     env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     code = "import collectives as C; C.init_process_group('mpi')"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_to_end([sys.executable, "-c", code], env, 60)
     assert proc.returncode != 0
     err = proc.stderr
     assert "EnvError" in err and "rank 1 of 2" in err, err[-2000:]

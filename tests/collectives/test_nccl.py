@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from tests.collectives.expect import BLOCKS, DTYPE_OPS, MISMATCHES, NUMERIC, res
 from tests.collectives.harness import RankPool
 from tests.collectives.nccl_threads import RankThreads, ThreadPoolError
 from tests.fakes import fake_cupy, fake_nccl
+from tests.helpers import run_to_end
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,9 +276,7 @@ def test_init_process_group_nccl_without_gpu_says_why() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
-    )
+    out = run_to_end([sys.executable, "-c", code], env, 60)
     text = out.stdout + out.stderr
     if "ERR" not in text:
         pytest.skip(f"nccl is usable in this environment: {text[-300:]}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.collectives.harness import REPO_ROOT, RankPool, leaked_segments
+from tests.helpers import run_to_end
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,14 +283,7 @@ def test_plain_script_without_launcher_is_world_size_1() -> None:
         "import json; from tests.ddp.ddp_bodies import no_launcher; "
         "print(json.dumps(no_launcher()))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_to_end([sys.executable, "-c", code], env, 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (out["backend"], out["world"]) == ("serial", 1)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_to_end
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "examples/train_ddp.py"
 STEPS_PER_EPOCH = 23  # 1,437 training digits over a global batch of 64 (2 ranks x 32)
@@ -24,15 +26,7 @@ def _run(args: list[str], timeout: float = 100) -> subprocess.CompletedProcess[s
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RANK", None)  # never look launched to the script
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_to_end([sys.executable, *args], env, timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> str:
@@ -157,16 +151,8 @@ def test_mpiexec_form_on_the_mpi_backend(tmp_path: Path) -> None:
     env = mpi_env()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run(
-        [*mpiexec_command(2), sys.executable, SCRIPT, "--backend", "mpi", "--epochs", "2"]
-        + ["--no-progress", "--checkpoint", str(ckpt)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
+    cmd = [*mpiexec_command(2), sys.executable, SCRIPT, "--backend", "mpi", "--epochs", "2"]
+    proc = run_to_end([*cmd, "--no-progress", "--checkpoint", str(ckpt)], env, 110)
     out = _ok(proc)
     assert "world size 2 (mpi backend" in out
     assert _epoch_lines(out) == [1, 2]
