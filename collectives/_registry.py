@@ -74,7 +74,8 @@ def available_backends() -> list[str]:
 
 
 def backend_unavailable_reason(name: str) -> str | None:
-    """None when backend ``name`` is usable here, else the reason it is not (one line).
+    """None when backend ``name`` is usable here, else the reason it is not (the nccl
+    backend's names every library path it tried, one per line).
 
     Raises:
         ValueError: for unknown names, listing the registered ones.
