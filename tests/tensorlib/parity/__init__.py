@@ -1,0 +1,1 @@
+"""Differential tests: tensorlib against PyTorch (CPU) on identical inputs."""
