@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._device import device_of
+from ._dtype import promote_operands
 
 __all__ = [
     "Function",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_NUMBERS = (int, float)
 
 
 class _GradState(threading.local):
@@ -141,6 +143,11 @@ class Function:
     freed: bool
     # True for primitives whose output lives on another device than their inputs.
     moves_device = False
+    # Type promotion (torch's rules, `_dtype.promote_operands`): positional arguments from
+    # this index on are cast to one result dtype (None: no promotion); `float_result` makes
+    # an integer result float32 (true division, exp...).
+    promote_from: int | None = None
+    float_result = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -187,9 +194,15 @@ class Function:
         ins: list[Tensor | None] = []
         requires_grad = False
         dev = None
+        dt: Any = None  # the Tensor arguments' one dtype; False: mixed, or other operands
         for a in args:
             if isinstance(a, Tensor):
-                raw.append(a._data)
+                data = a._data
+                raw.append(data)
+                if dt is None:
+                    dt = data.dtype
+                elif dt is not data.dtype and dt != data.dtype:
+                    dt = False
                 if a.requires_grad:
                     requires_grad = True
                     ins.append(a)
@@ -203,8 +216,17 @@ class Function:
                         f"{dev} and {a._device}"
                     )
             else:
+                if isinstance(a, _NUMBERS):
+                    pass
+                elif isinstance(a, np.generic):  # NumPy scalars act as Python numbers (as in torch)
+                    a = a.item()
+                else:
+                    dt = False  # an array operand: promotion decides
                 raw.append(a)
                 ins.append(None)
+        # One floating dtype and Python numbers: that dtype wins, nothing to promote.
+        if cls.promote_from is not None and (dt is None or dt is False or dt.kind != "f"):
+            promote_operands(raw, cls.promote_from, cls.float_result)
         ctx = object.__new__(cls)
         try:
             out = ctx.forward(*raw, **kwargs)

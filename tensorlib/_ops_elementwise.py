@@ -43,6 +43,7 @@ def xp_of(a: Any) -> Any:
 # ============================================================================ binary arithmetic
 class Add(Function):
     __slots__ = ()
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         return a + b
@@ -53,6 +54,7 @@ class Add(Function):
 
 class Sub(Function):
     __slots__ = ()
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         return a - b
@@ -63,6 +65,7 @@ class Sub(Function):
 
 class Mul(Function):
     __slots__ = ("a", "b")
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -76,6 +79,8 @@ class Mul(Function):
 
 class Div(Function):
     __slots__ = ("b", "out")
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any, b: Any) -> Any:
         self.b = b
@@ -90,6 +95,7 @@ class Div(Function):
 
 class Pow(Function):
     __slots__ = ("a", "b", "out")
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -98,18 +104,36 @@ class Pow(Function):
 
     def backward(self, g: Any) -> Any:
         a, b = self.a, self.b
+        xp = xp_of(self.out)
         ga = gb = None
         if self.inputs[0] is not None:
-            if isinstance(b, int | float) and b == 2:
-                ga = g * (2 * a)
+            # torch's rule: the base gradient is 0 wherever the exponent is 0, even at a == 0,
+            # where b * a**(b - 1) would be 0 * inf = nan.
+            if isinstance(b, int | float):
+                if b == 0:
+                    ga = xp.zeros_like(g)
+                elif b == 2:
+                    ga = g * (2 * a)
+                else:
+                    ga = g * (b * a ** (b - 1))
             else:
-                ga = g * (b * a ** (b - 1))
+                # a**0 = 1 where b == 0, so b * ... is exactly 0 there, without 0 * inf.
+                ga = g * (b * a ** (xp.where(b == 0, 1, b) - 1))
         if self.inputs[1] is not None:
-            xp = xp_of(self.out)
-            # d(a**b)/db = a**b * log(a) is 0 * -inf = nan at a == 0, where the limit (b > 0)
-            # is 0, as torch returns: use log(1) there so a zero base does not poison gb.
-            gb = g * self.out * xp.log(xp.where(xp.asarray(a) == 0, 1, a))
+            gb = g * _pow_exponent_grad(xp, a, b, self.out)
         return ga, gb
+
+
+def _pow_exponent_grad(xp: Any, a: Any, b: Any, out: Any) -> Any:
+    """d(a**b)/db = a**b * log(a), with torch's values at a == 0: 0 where b >= 0 (the limit),
+    and a**b * log(0) = -(a**b) (an infinity) where b < 0. Computed without 0 * inf."""
+    if isinstance(a, int | float):  # a scalar base (2 ** t)
+        if a == 0:
+            return xp.where(b < 0, -out, 0)
+        return out * (math.log(a) if a > 0 else math.nan)
+    zero = a == 0
+    rest = xp.where(zero, 0, out) * xp.log(xp.where(zero, 1, a))
+    return xp.where(zero, xp.where(b < 0, -out, 0), rest)
 
 
 class Neg(Function):
@@ -125,6 +149,8 @@ class Neg(Function):
 # ============================================================================ unary math
 class Exp(Function):
     __slots__ = ("out",)
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         self.out = out = xp_of(a).exp(a)
@@ -136,6 +162,8 @@ class Exp(Function):
 
 class Log(Function):
     __slots__ = ("a",)
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         self.a = a
@@ -147,6 +175,8 @@ class Log(Function):
 
 class Sqrt(Function):
     __slots__ = ("out",)
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         self.out = out = xp_of(a).sqrt(a)
@@ -195,6 +225,8 @@ class Clip(Function):
 # ============================================================================ activations
 class Tanh(Function):
     __slots__ = ("out",)
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         self.out = out = xp_of(a).tanh(a)
@@ -207,6 +239,8 @@ class Tanh(Function):
 
 class Sigmoid(Function):
     __slots__ = ("out",)
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         xp = xp_of(a)
@@ -240,6 +274,8 @@ class Gelu(Function):
     """GELU with the tanh approximation (GPT-2's; torch's ``approximate='tanh'``)."""
 
     __slots__ = ("a", "t")
+    promote_from = 0
+    float_result = True  # torch: int tensors give float32
 
     def forward(self, a: Any) -> Any:
         xp = xp_of(a)
@@ -261,6 +297,7 @@ class Gelu(Function):
 # ============================================================================ select
 class Maximum(Function):
     __slots__ = ("a", "b")
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -273,6 +310,7 @@ class Maximum(Function):
 
 class Minimum(Function):
     __slots__ = ("a", "b")
+    promote_from = 0
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -295,6 +333,7 @@ def _select_grads(fn: Maximum | Minimum, g: Any, a_wins: Any) -> tuple[Any, Any]
 
 class Where(Function):
     __slots__ = ("cond",)
+    promote_from = 1  # a and b, not the condition
 
     def forward(self, cond: Any, a: Any, b: Any) -> Any:
         if getattr(cond, "dtype", None) != np.bool_:

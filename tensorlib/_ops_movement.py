@@ -134,6 +134,7 @@ def _xp_of_all(arrays: tuple[Any, ...], verb: str) -> Any:
 
 class Concatenate(Function):
     __slots__ = ("axis", "sizes")
+    promote_from = 0
 
     def forward(self, *arrays: Any, axis: int = 0) -> Any:
         out = _xp_of_all(arrays, "concatenate").concatenate(arrays, axis=axis)
@@ -153,6 +154,7 @@ class Concatenate(Function):
 
 class Stack(Function):
     __slots__ = ("axis",)
+    promote_from = 0
 
     def forward(self, *arrays: Any, axis: int = 0) -> Any:
         out = _xp_of_all(arrays, "stack").stack(arrays, axis=axis)

@@ -41,9 +41,15 @@ class Softmax(Function):
 
 
 class CrossEntropy(Function):
-    """Mean/sum/none of ``-log softmax(logits)[target]`` over rows of (N, C) logits."""
+    """Mean/sum/none of the cross-entropy of (N, C) logits against (N,) class indices.
 
-    __slots__ = ("count", "e", "reduction", "sum_e", "target", "valid")
+    With ``label_smoothing`` = s the target distribution is ``(1 - s) * onehot + s / C``
+    (torch's): the loss of a row is ``lse - (1 - s) * x[t] - (s / C) * sum(x)``, and its
+    gradient ``softmax(x) - q``. Ignored rows give neither loss nor gradient, and "mean"
+    divides by the number of rows not ignored (0/0 = nan when all are, as in torch).
+    """
+
+    __slots__ = ("count", "e", "reduction", "smoothing", "sum_e", "target", "valid")
 
     def forward(
         self,
@@ -51,19 +57,24 @@ class CrossEntropy(Function):
         target: Any,
         reduction: str = "mean",
         ignore_index: int = -100,
+        label_smoothing: float = 0.0,
     ) -> Any:
         xp = xp_of(logits)
-        n = logits.shape[0]
+        n, c = logits.shape
         rows = xp.arange(n)
         valid = target != ignore_index
         safe_t = xp.where(valid, target, 0)
         shifted = logits - logits.max(axis=1, keepdims=True)
         e = xp.exp(shifted)
         sum_e = e.sum(axis=1, keepdims=True)
-        loss = xp.log(sum_e[:, 0]) - shifted[rows, safe_t]
-        loss = xp.where(valid, loss, 0)
+        picked = shifted[rows, safe_t]
+        if label_smoothing:
+            # The shift cancels: the target weights sum to 1.
+            s = label_smoothing
+            picked = (1 - s) * picked + (s / c) * shifted.sum(axis=1)
+        loss = xp.where(valid, xp.log(sum_e[:, 0]) - picked, 0)
         self.e, self.sum_e, self.target, self.valid = e, sum_e, safe_t, valid
-        self.reduction = reduction
+        self.reduction, self.smoothing = reduction, label_smoothing
         if reduction == "none":
             self.count = None
             return loss
@@ -78,8 +89,11 @@ class CrossEntropy(Function):
     def backward(self, g: Any) -> Any:
         xp = xp_of(g)
         grad = self.e / self.sum_e
-        n = grad.shape[0]
-        grad[xp.arange(n), self.target] -= 1
+        n, c = grad.shape
+        s = self.smoothing
+        grad[xp.arange(n), self.target] -= 1 - s
+        if s:
+            grad -= s / c
         scale = xp.where(self.valid, g, 0)[:, None]
         if self.count is not None:  # reduction="mean"
             scale = scale / self.count.astype(grad.dtype)

@@ -74,49 +74,73 @@ def _check_reduction(fn: str, reduction: str) -> None:
 
 
 def cross_entropy(
-    logits: Tensor, target: Tensor | Any, reduction: str = "mean", ignore_index: int = -100
+    logits: Tensor,
+    target: Tensor | Any,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
-    """Cross-entropy between (N, C) logits and (N,) integer class targets.
+    """Cross-entropy between logits and integer class targets (torch's semantics).
 
     Args:
-        logits: unnormalized scores of shape (N, C).
-        target: class indices in [0, C) of shape (N,); ``ignore_index`` entries are skipped.
-        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
+        logits: unnormalized scores of shape (N, C), (C,) (one sample), or (N, C, d1, ...)
+            (a class score per position, as for segmentation or a (batch, vocab, time) layout).
+        target: class indices in [0, C) of shape (N,), (), or (N, d1, ...);
+            ``ignore_index`` entries are skipped.
+        reduction: ``"mean"`` (over targets not ignored), ``"sum"`` or ``"none"`` (a loss per
+            target, shaped like ``target``).
         ignore_index: target value that contributes neither loss nor gradient.
+        label_smoothing: s in [0, 1]: the target becomes ``(1 - s) * onehot + s / C``.
 
     Raises:
-        ValueError: on shape mismatches or (on the CPU) targets out of range.
+        ValueError: on shape mismatches, ``label_smoothing`` outside [0, 1], or (on the CPU)
+            targets out of range.
         TypeError: when targets are not integers.
     """
     _check_reduction("cross_entropy", reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(
+            f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}"
+        )
     t = target._data if isinstance(target, Tensor) else target
     if not isinstance(logits, Tensor):
         raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
-    if logits.ndim != 2:
-        raise ValueError(
-            f"cross_entropy: logits must have shape (N, C), got {logits.shape}; reshape "
-            f"(..., C) logits to (-1, C) and targets to (-1,)"
-        )
+    if logits.ndim == 0:
+        raise ValueError("cross_entropy: logits must have shape (N, C), (C,) or (N, C, d1, ...)")
     if not hasattr(t, "dtype"):
         t = np.asarray(t)
     if t.dtype.kind not in "iu":
         raise TypeError(
             f"cross_entropy: target must hold integer class indices, got dtype {t.dtype}"
         )
-    n, c = logits.shape
-    if tuple(t.shape) != (n,):
+    c = logits.shape[0] if logits.ndim == 1 else logits.shape[1]
+    want = () if logits.ndim == 1 else (logits.shape[0], *logits.shape[2:])
+    if tuple(t.shape) != want:
         raise ValueError(
-            f"cross_entropy: target must have shape ({n},) to match logits {logits.shape}, "
-            f"got {tuple(t.shape)}"
+            f"cross_entropy: target must have shape {want} to match logits {logits.shape}, "
+            f"got {tuple(t.shape)} (logits (N, C) take targets (N,); (C,) a 0-d target; "
+            f"(N, C, d1, ...) targets (N, d1, ...))"
         )
-    if isinstance(t, np.ndarray) and n:
+    if isinstance(t, np.ndarray) and t.size:
         # Range check on the CPU only: on a GPU it would force a host sync every step.
         bad = ((t < 0) | (t >= c)) & (t != ignore_index)
         if bad.any():
             first = int(t[bad][0])
             raise ValueError(f"cross_entropy: target {first} is out of range for {c} classes")
     t = _on_device(t, logits, "cross_entropy", "target")
-    return _nn.CrossEntropy.apply(logits, t, reduction=reduction, ignore_index=ignore_index)
+    flat = logits
+    if logits.ndim == 1:
+        flat = logits.reshape(1, c)
+    elif logits.ndim > 2:  # (N, C, d...) -> (N * d..., C): the class axis last, then rows
+        flat = logits.transpose((0, *range(2, logits.ndim), 1)).reshape(-1, c)
+    loss = _nn.CrossEntropy.apply(
+        flat,
+        t.reshape(-1),
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+    )
+    return loss.reshape(want) if reduction == "none" and logits.ndim != 2 else loss
 
 
 def _on_device(arr: Any, like: Tensor, fn: str, what: str) -> Any:

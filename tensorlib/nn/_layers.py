@@ -264,12 +264,21 @@ class ModuleList(Module):
 class CrossEntropyLoss(Module):
     """:func:`tensorlib.functional.cross_entropy` as a module."""
 
-    def __init__(self, reduction: str = "mean", ignore_index: int = -100) -> None:
+    def __init__(
+        self, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0
+    ) -> None:
         super().__init__()
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(
+                f"CrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}"
+            )
         self.reduction, self.ignore_index = reduction, ignore_index
+        self.label_smoothing = label_smoothing
 
     def forward(self, logits: Tensor, target: Tensor | np.ndarray[Any, Any]) -> Tensor:
-        return F.cross_entropy(logits, target, self.reduction, self.ignore_index)
+        return F.cross_entropy(
+            logits, target, self.reduction, self.ignore_index, self.label_smoothing
+        )
 
 
 class MSELoss(Module):
