@@ -216,11 +216,9 @@ class Function:
                         f"{dev} and {a._device}"
                     )
             else:
-                if isinstance(a, _NUMBERS):
-                    pass
-                elif isinstance(a, np.generic):  # NumPy scalars act as Python numbers (as in torch)
-                    a = a.item()
-                else:
+                if isinstance(a, np.generic):  # NumPy scalars act as Python numbers, as in torch
+                    a = a.item()  # (np.float64 is a float subclass: test it first)
+                elif not isinstance(a, _NUMBERS):
                     dt = False  # an array operand: promotion decides
                 raw.append(a)
                 ins.append(None)

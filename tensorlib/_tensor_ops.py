@@ -147,11 +147,28 @@ class TensorOps:
         """Minimum over ``axis``; ties share the gradient equally."""
         return _rd.Min.apply(self, axis=_rd.norm_axis(axis, self.ndim), keepdims=keepdims)
 
-    def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-        """Population variance over ``axis`` (composed from mean)."""
+    def var(
+        self,
+        axis: int | Sequence[int] | None = None,
+        keepdims: bool = False,
+        *,
+        correction: int = 0,
+    ) -> Tensor:
+        """Variance over ``axis``: the sum of squared deviations over ``N - correction``.
+
+        The default ``correction=0`` is NumPy's population variance; torch's default is 1
+        (Bessel's correction): pass ``correction=1`` for ``torch.var``'s value. Like torch,
+        ``N - correction <= 0`` divides by 0 (inf, or nan for zero deviations).
+        """
         mu = self.mean(axis=axis, keepdims=True)
         d = self - mu
-        return (d * d).mean(axis=axis, keepdims=keepdims)
+        if correction == 0:
+            return (d * d).mean(axis=axis, keepdims=keepdims)
+        axes = _rd.norm_axis(axis, self.ndim)
+        n = 1
+        for ax in axes if axes is not None else range(self.ndim):
+            n *= self.shape[ax]
+        return (d * d).sum(axis=axis, keepdims=keepdims) / float(max(n - correction, 0))
 
     # ------------------------------------------------------------------ movement
     def reshape(self, *shape: Any) -> Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "TORCH_REASON",
     "assert_close",
     "assert_grads_close",
+    "check",
     "pair",
     "to_numpy",
     "torch",
@@ -101,3 +102,31 @@ def assert_grads_close(ours: list[tl.Tensor], theirs: list[Any], what: str = "gr
             continue
         assert o.grad is not None, f"{what}[{i}]: torch has a gradient, tensorlib has none"
         assert_close(o.grad, t.grad, f"{what}[{i}]", grad=True)
+
+
+def check(
+    ours_fn: Any,
+    theirs_fn: Any,
+    arrays: list[Any],
+    dtype: Any = None,
+    seed: int = 0,
+    what: str = "op",
+) -> tuple[Any, Any]:
+    """Run one operation in both libraries on the same inputs; compare value and gradients.
+
+    ``ours_fn(*tensorlib leaves)`` and ``theirs_fn(*torch leaves)`` get a pair (:func:`pair`)
+    per array (floating ones require grad). Their outputs are compared; then both backprop
+    the same seeded random upstream gradient (non-uniform, so a wrong gradient cannot hide
+    in a plain sum) and every leaf's ``.grad`` is compared. Returns the two outputs.
+    """
+    pairs = [pair(a, dtype if np.asarray(a).dtype.kind == "f" else None) for a in arrays]
+    ours = ours_fn(*[p[0] for p in pairs])
+    theirs = theirs_fn(*[p[1] for p in pairs])
+    assert_close(ours, theirs, what)
+    if theirs.requires_grad:
+        r = np.random.default_rng(seed + 12345).standard_normal(tuple(theirs.shape))
+        r = r.astype(to_numpy(theirs).dtype)
+        ours.backward(tl.tensor(r))
+        theirs.backward(torch.tensor(r))
+        assert_grads_close([p[0] for p in pairs], [p[1] for p in pairs], f"{what} grad")
+    return ours, theirs
