@@ -6,8 +6,9 @@ from typing import Any
 
 from ._autograd import Function
 from ._ops_elementwise import xp_of
+from ._ops_movement import Getitem
 
-__all__ = ["CrossEntropy", "LayerNormFn", "LogSoftmax", "Softmax"]
+__all__ = ["CrossEntropy", "Embedding", "LayerNormFn", "LogSoftmax", "Softmax"]
 
 
 class LogSoftmax(Function):
@@ -146,3 +147,19 @@ class LayerNormFn(Function):
             )
             gx = gx.reshape(self.shape)
         return gx, gw, gb
+
+
+class Embedding(Getitem):
+    """``weight[indices]``; the row ``padding_idx`` (when given) receives no gradient."""
+
+    __slots__ = ("padding_idx",)
+
+    def forward(self, weight: Any, index: Any = None, padding_idx: int | None = None) -> Any:
+        self.padding_idx = padding_idx
+        return super().forward(weight, index=index)
+
+    def backward(self, g: Any) -> Any:
+        grad = super().backward(g)
+        if self.padding_idx is not None:
+            grad[self.padding_idx] = 0  # as torch: padding positions do not train the row
+        return grad

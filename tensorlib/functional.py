@@ -8,7 +8,6 @@ import numpy as np
 
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
-from . import _ops_movement as _mv
 from . import _ops_nn as _nn
 from ._random import Generator, default_generator
 from ._tensor import Tensor
@@ -99,9 +98,7 @@ def cross_entropy(
     """
     _check_reduction("cross_entropy", reduction)
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(
-            f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}"
-        )
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     t = target._data if isinstance(target, Tensor) else target
     if not isinstance(logits, Tensor):
         raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
@@ -208,18 +205,38 @@ def layer_norm(
     return _nn.LayerNormFn.apply(x, weight, bias, ndims=len(ns), eps=eps)
 
 
-def embedding(indices: Tensor | Any, weight: Tensor) -> Tensor:
-    """Rows of ``weight`` picked by integer ``indices`` (any shape); gradients add up."""
+def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+    """Rows of ``weight`` picked by integer ``indices`` (any shape); gradients add up.
+
+    Args:
+        indices: integer indices in [0, num_embeddings), any shape.
+        weight: the (num_embeddings, embedding_dim) table.
+        padding_idx: a row that receives no gradient (negative counts from the end), as in
+            ``torch.nn.functional.embedding``.
+
+    Raises:
+        TypeError: when the indices are not integers.
+        IndexError: (on the CPU) for indices out of range.
+        ValueError: for a ``padding_idx`` out of range.
+    """
     idx = indices._data if isinstance(indices, Tensor) else indices
     if not hasattr(idx, "dtype"):
         idx = np.asarray(idx)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding: indices must be integers, got dtype {idx.dtype}")
+    num = weight.shape[0]
     if isinstance(idx, np.ndarray) and idx.size:
         lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= weight.shape[0]:
+        if lo < 0 or hi >= num:
             bad = lo if lo < 0 else hi
-            raise IndexError(
-                f"embedding: index {bad} is out of range for {weight.shape[0]} embeddings"
+            raise IndexError(f"embedding: index {bad} is out of range for {num} embeddings")
+    if padding_idx is not None:
+        if not -num <= padding_idx < num:
+            raise ValueError(
+                f"embedding: padding_idx must be in [-{num}, {num}) for {num} embeddings, "
+                f"got {padding_idx}"
             )
-    return _mv.Getitem.apply(weight, index=_on_device(idx, weight, "embedding", "indices"))
+        padding_idx %= num
+    return _nn.Embedding.apply(
+        weight, index=_on_device(idx, weight, "embedding", "indices"), padding_idx=padding_idx
+    )

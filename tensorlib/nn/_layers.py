@@ -86,29 +86,44 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    """A lookup table of ``num_embeddings`` vectors of size ``embedding_dim`` (init N(0, 1))."""
+    """A lookup table of ``num_embeddings`` vectors of size ``embedding_dim`` (init N(0, 1)).
+
+    ``padding_idx`` (as in torch): that row starts as zeros and receives no gradient.
+    """
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
+        padding_idx: int | None = None,
         *,
         dtype: Any = None,
         device: str | Device | None = None,
         generator: Generator | None = None,
     ) -> None:
         super().__init__()
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), "
+                    f"got {padding_idx}"
+                )
+            padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
         g = generator if generator is not None else default_generator
         host = g.rng.standard_normal((num_embeddings, embedding_dim))
+        if padding_idx is not None:
+            host[padding_idx] = 0
         dt = normalize_dtype(dtype) if dtype is not None else float32
         self.weight = Parameter(Tensor(host, dtype=dt, device=device))
 
     def forward(self, indices: Tensor | Any) -> Tensor:
-        return F.embedding(indices, self.weight)
+        return F.embedding(indices, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
 
 class LayerNorm(Module):

@@ -33,7 +33,7 @@ def _with_edges(seed: int, *shape: int, edges: tuple[float, ...] = (0.0,)) -> np
 
 
 # ============================================================================ unary
-UNARY: list[tuple[str, Fn, Fn, np.ndarray]] = [
+UNARY: list[tuple[str, Fn, Any, np.ndarray]] = [
     ("neg", lambda x: -x, lambda x: -x, _randn(1, 3, 4)),
     ("abs_at_0", lambda x: x.abs(), torch.abs if torch else None, _with_edges(2, 3, 5)),
     ("abs_op", abs, abs, _with_edges(3, 4)),
@@ -76,7 +76,7 @@ def test_clip_matches_clamp_including_the_bounds(lo: Any, hi: Any, dtype: Any) -
 
 # ============================================================================ binary
 SHAPES = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (2, 3)), ((4, 1), (1,))]
-BINARY: list[tuple[str, Fn, Fn]] = [
+BINARY: list[tuple[str, Fn, Any]] = [
     ("add", lambda a, b: a + b, lambda a, b: a + b),
     ("sub", lambda a, b: a - b, lambda a, b: a - b),
     ("mul", lambda a, b: a * b, lambda a, b: a * b),
@@ -197,7 +197,9 @@ def test_sum_mean(name: str, axis: Any, keepdims: bool, dtype: Any) -> None:
 @pytest.mark.parametrize("keepdims", [False, True])
 @pytest.mark.parametrize("axis", AXES, ids=str)
 @pytest.mark.parametrize("name", ["max", "min"])
-def test_max_min_match_amax_amin_with_ties(name: str, axis: Any, keepdims: bool, dtype: Any) -> None:
+def test_max_min_match_amax_amin_with_ties(
+    name: str, axis: Any, keepdims: bool, dtype: Any
+) -> None:
     # Ties share the gradient equally: torch.amax/amin's rule (and torch.max()'s over all
     # elements); torch.max(dim) instead gives it all to one index (documented difference).
     x = np.round(_randn(31, 2, 3, 4))  # integers: many ties

@@ -125,7 +125,9 @@ def test_numpy_arrays_act_as_tensors(da: str, db: str, array_ndim: int) -> None:
     a, at = _both(da)
     arr = np.array(VALUES if array_ndim else VALUES[2], dtype=db)
     _close(a * arr, at * torch.tensor(arr), f"{da} * ndarray[{db}, {array_ndim}d]")
-    _close(arr + a, torch.tensor(arr) + at, f"ndarray[{db}, {array_ndim}d] + {da}")
+    reflected: Any = arr + a  # ndarray + Tensor: NumPy defers to Tensor.__radd__
+    assert isinstance(reflected, tl.Tensor)
+    _close(reflected, torch.tensor(arr) + at, f"ndarray[{db}, {array_ndim}d] + {da}")
 
 
 # ============================================================================ unary, division
