@@ -10,6 +10,7 @@ import numpy as np
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_movement as _mv
+from ._dtype import result_type
 from ._tensor import Tensor
 
 __all__ = [
@@ -85,6 +86,8 @@ def minimum(a: Any, b: Any) -> Tensor:
 def where(condition: Any, a: Any, b: Any) -> Tensor:
     """Pick ``a`` where ``condition`` is true, else ``b`` (broadcasting all three)."""
     cond = condition._data if isinstance(condition, Tensor) else condition
+    if isinstance(cond, np.generic | bool):  # a bool scalar: a 0-d mask
+        cond = np.asarray(cond)
     # Why: the condition is passed as a raw array, so Function.apply never checked its device:
     # a condition on another device than a and b failed inside CuPy ("Unsupported type"), and
     # a NumPy mask with GPU tensors did too. Check the one, move the other (as index arrays).
@@ -97,6 +100,13 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
         if dev.type == "cuda" and isinstance(cond, np.ndarray):
             with dev:
                 cond = dev.xp.asarray(cond)
+    if not hasattr(a, "dtype") and not hasattr(b, "dtype"):
+        # Two Python numbers: give them torch's dtype (where(c, 1.0, 0.0) is float32), as
+        # 0-d arrays, since promotion has no array to cast.
+        rt = result_type(a, b)
+        if rt is not None:
+            xp = _ew.xp_of(cond)
+            a, b = xp.asarray(a, dtype=rt), xp.asarray(b, dtype=rt)
     return _ew.Where.apply(cond, a, b)
 
 

@@ -35,9 +35,28 @@ def relu(x: Tensor) -> Tensor:
     return _ew.Relu.apply(x)
 
 
-def gelu(x: Tensor) -> Tensor:
-    """GELU, tanh approximation (as GPT-2 and ``torch.nn.GELU(approximate='tanh')``)."""
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    """GELU, tanh approximation (as GPT-2 and ``torch.nn.functional.gelu(approximate='tanh')``).
+
+    Args:
+        x: the input.
+        approximate: only ``"tanh"``, tensorlib's one form (torch's default, ``"none"``, is
+            the exact erf form, which differs by up to 5e-4; it is not implemented).
+
+    Raises:
+        ValueError: for any other ``approximate``.
+    """
+    _check_gelu(approximate)
     return _ew.Gelu.apply(x)
+
+
+def _check_gelu(approximate: str) -> None:
+    if approximate != "tanh":
+        raise ValueError(
+            f"gelu: approximate={approximate!r} is not supported; tensorlib implements the tanh "
+            f"approximation only (approximate='tanh'; torch's default 'none' is the exact erf "
+            f"form, within 5e-4 of it)"
+        )
 
 
 def sigmoid(x: Tensor) -> Tensor:

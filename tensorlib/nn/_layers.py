@@ -127,13 +127,18 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Layer normalization over the trailing ``normalized_shape`` axes."""
+    """Layer normalization over the trailing ``normalized_shape`` axes.
+
+    As torch's: ``elementwise_affine`` adds a weight (ones) and, unless ``bias=False``, a bias
+    (zeros).
+    """
 
     def __init__(
         self,
         normalized_shape: int | tuple[int, ...],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
+        bias: bool = True,
         *,
         dtype: Any = None,
         device: str | Device | None = None,
@@ -143,7 +148,10 @@ class LayerNorm(Module):
         self.normalized_shape, self.eps = ns, eps
         if elementwise_affine:
             self.weight = Parameter(ones(*ns, dtype=dtype, device=device))
-            self.bias = Parameter(zeros(*ns, dtype=dtype, device=device))
+            if bias:
+                self.bias = Parameter(zeros(*ns, dtype=dtype, device=device))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -180,10 +188,18 @@ class ReLU(Module):
 
 
 class GELU(Module):
-    """GELU (tanh approximation)."""
+    """GELU, tanh approximation (``torch.nn.GELU(approximate='tanh')``; see ``F.gelu``)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        F._check_gelu(approximate)
+        self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(x)
+        return F.gelu(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
 
 
 class Tanh(Module):

@@ -153,8 +153,15 @@ LAYERS: list[tuple[str, Callable[[Any], nn.Module], Callable[[], Any], tuple[int
         lambda: TNN.LayerNorm(5, elementwise_affine=False),
         (4, 5),
     ),
+    (
+        "LayerNorm_no_bias",
+        lambda dt: nn.LayerNorm(5, bias=False, dtype=dt),
+        lambda: TNN.LayerNorm(5, bias=False),
+        (4, 5),
+    ),
     ("ReLU", lambda dt: nn.ReLU(), lambda: TNN.ReLU(), (4, 5)),
     ("GELU", lambda dt: nn.GELU(), lambda: TNN.GELU(approximate="tanh"), (4, 5)),
+    ("GELU_tanh", lambda dt: nn.GELU("tanh"), lambda: TNN.GELU("tanh"), (4, 5)),
     ("Tanh", lambda dt: nn.Tanh(), lambda: TNN.Tanh(), (4, 5)),
     ("Sigmoid", lambda dt: nn.Sigmoid(), lambda: TNN.Sigmoid(), (4, 5)),
     ("Identity", lambda dt: nn.Identity(), lambda: TNN.Identity(), (4, 5)),
@@ -268,3 +275,12 @@ def test_embedding_and_layer_norm_default_init_follow_torch() -> None:
     ln, tln = nn.LayerNorm((3, 4)), TNN.LayerNorm((3, 4))
     assert_close(ln.weight, tln.weight)
     assert_close(ln.bias, tln.bias)
+
+
+def test_gelu_refuses_the_exact_form_it_does_not_implement() -> None:
+    # torch's default GELU is the exact erf form; tensorlib has only the tanh approximation,
+    # so asking for the exact one must not silently give the other.
+    with pytest.raises(ValueError, match="approximate='tanh'"):
+        nn.GELU("none")
+    with pytest.raises(ValueError, match="tanh approximation only"):
+        F.gelu(tl.ones(2), approximate="none")

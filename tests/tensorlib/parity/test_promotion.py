@@ -141,10 +141,15 @@ def test_integer_inputs_to_float_functions_give_float32(da: str) -> None:
     _close(F.sigmoid(a), torch.sigmoid(at), "sigmoid")
 
 
-def test_where_with_a_python_float_and_an_int_tensor() -> None:
+def test_where_with_python_numbers() -> None:
     a, at = _both("int64")
     cond = np.array([True, False, True])
-    _close(tl.where(cond, a, 1.5), torch.where(torch.tensor(cond), at, 1.5), "where")
+    tc = torch.tensor(cond)
+    _close(tl.where(cond, a, 1.5), torch.where(tc, at, 1.5), "where(c, int, float)")
+    _close(tl.where(cond, 1.0, 0.0), torch.where(tc, 1.0, 0.0), "where(c, float, float)")
+    _close(tl.where(cond, 2, 0), torch.where(tc, 2, 0), "where(c, int, int)")
+    f, ft = _both("float32")
+    _close(tl.where(np.True_, f, 0.0), torch.where(torch.tensor(True), ft, 0.0), "np.True_")
 
 
 # ============================================================================ gradients
