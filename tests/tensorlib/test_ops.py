@@ -930,6 +930,57 @@ def test_pow_exponent_gradient_at_zero_base(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_pow_zero_exponent_has_zero_gradient_at_zero_base(device: str) -> None:
+    """x ** 0 is 1 everywhere, so its gradient is 0, also at x = 0 (not 0 * 0**-1 = nan)."""
+    x = tl.tensor([0.0, -2.0, 3.0], dtype=tl.float64, device=device, requires_grad=True)
+    (x**0).sum().backward()
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.numpy(), [0.0, 0.0, 0.0])
+    a = tl.tensor([0.0, 0.0, 2.0], dtype=tl.float64, device=device, requires_grad=True)
+    b = tl.tensor([0.0, 2.0, 0.0], dtype=tl.float64, device=device)
+    with _no_fp_warnings():
+        (a**b).sum().backward()
+    assert a.grad is not None
+    np.testing.assert_array_equal(a.grad.numpy(), [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_integer_tensors_with_floats_give_float32(device: str) -> None:
+    i = tl.tensor([1, 2, 3], device=device)
+    assert (i * 1.5).dtype == np.float32
+    assert (i / 2).dtype == np.float32
+    assert (i + tl.ones(3, device=device)).dtype == np.float32
+    assert (i + tl.ones(3, dtype=tl.float16, device=device)).dtype == np.float16
+    assert (i + 2).dtype == np.int64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_label_smoothing_targets_mix_with_uniform(device: str) -> None:
+    # Equal logits: the loss is log C for any smoothing; the gradient is (1/C - q) / N with
+    # q = (1 - s) onehot + s / C, and an ignored row gets none.
+    logits = tl.zeros(3, 4, dtype=tl.float64, device=device, requires_grad=True)
+    s = 0.2
+    loss = F.cross_entropy(logits, tl.tensor([0, 2, -100], device=device), label_smoothing=s)
+    np.testing.assert_allclose(loss.item(), math.log(4), rtol=1e-12)
+    loss.backward()
+    q = np.full((2, 4), s / 4)
+    q[0, 0] += 1 - s
+    q[1, 2] += 1 - s
+    assert logits.grad is not None
+    np.testing.assert_allclose(logits.grad.numpy()[:2], (0.25 - q) / 2, rtol=1e-12)
+    np.testing.assert_array_equal(logits.grad.numpy()[2], 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_padding_row_gets_no_gradient(device: str) -> None:
+    emb = tl.nn.Embedding(4, 2, padding_idx=1, device=device)
+    np.testing.assert_array_equal(emb.weight.numpy()[1], 0.0)
+    emb(tl.tensor([[1, 2], [1, 1]], device=device)).sum().backward()
+    assert emb.weight.grad is not None
+    np.testing.assert_array_equal(emb.weight.grad.numpy(), [[0, 0], [0, 0], [1, 1], [0, 0]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=lambda d: np.dtype(d).name)
 def test_softmax_log_softmax_stable_for_large_logits(dtype: Any, device: str) -> None:
     logits = np.array([[1000.0, 0.0, -1000.0], [1000.0, 1000.0, 1000.0], [-1000.0, -999.0, 0.0]])
@@ -1067,6 +1118,14 @@ SCALAR_EXPRS: dict[str, Callable[[tl.Tensor], tl.Tensor]] = {
     "softmax": lambda x: F.softmax(x),
     "gelu": lambda x: F.gelu(x),
     "sigmoid": lambda x: F.sigmoid(x),
+    # NumPy scalars act as Python numbers (NumPy 2 alone would give float64).
+    "x*np.float64(0.5)": lambda x: x * np.float64(0.5),
+    "np.float64(2)*x": lambda x: np.float64(2) * x,
+    "x/np.sqrt(4.0)": lambda x: x / np.sqrt(np.float64(4.0)),
+    "x+np.int64(1)": lambda x: x + np.int64(1),
+    "x**np.float64(2)": lambda x: x ** np.float64(2),
+    "maximum(x,np.float64(1))": lambda x: tl.maximum(x, np.float64(1)),
+    "x*0-d float64": lambda x: x * tl.tensor(2.0, dtype=tl.float64, device=x.device),
 }
 
 

@@ -284,3 +284,22 @@ def test_gelu_refuses_the_exact_form_it_does_not_implement() -> None:
         nn.GELU("none")
     with pytest.raises(ValueError, match="tanh approximation only"):
         F.gelu(tl.ones(2), approximate="none")
+
+
+@pytest.mark.parametrize("offset", [1e2, 1e3])
+def test_f_layer_norm_far_from_zero(offset: float) -> None:
+    """A large common offset (float32's rounding of the mean dominates).
+
+    In float64 both agree at the suite's tolerance. In float32 torch itself is off the exact
+    result (computed in float64 from the same float32 input) by more than 1e-5 there, so the
+    float32 check is that tensorlib is at least as close to the exact result as torch is.
+    """
+    x = _randn(13, 3, 16) + offset
+    check(lambda t: F.layer_norm(t, 16), lambda t: TF.layer_norm(t, (16,)), [x], np.float64)
+    x32 = x.astype(np.float32)
+    x64 = x32.astype(np.float64)
+    exact = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    ours = F.layer_norm(tl.tensor(x32), 16).numpy()
+    theirs = TF.layer_norm(torch.tensor(x32), (16,)).numpy()
+    assert ours.dtype == np.float32
+    assert np.abs(ours - exact).max() <= np.abs(theirs - exact).max()

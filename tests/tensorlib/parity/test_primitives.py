@@ -442,3 +442,18 @@ def test_casts_to_integers_match(dtype: Any) -> None:
     assert_close(ours.long(), theirs.long(), "long")
     assert_close(ours.to(tl.int32), theirs.to(torch.int32), "int32")
     assert_close(ours.to(tl.bool_), theirs.to(torch.bool), "bool")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_with_masked_entries(name: str, dtype: Any) -> None:
+    # Attention masks write -inf: those entries get probability 0 and gradient 0.
+    x = _randn(91, 4, 6)
+    x[np.triu_indices(4, 1)] = -np.inf
+    check(
+        lambda t: getattr(t, name)(-1),
+        lambda t: getattr(torch, name)(t, dim=-1),
+        [x],
+        dtype,
+        what=f"masked {name}",
+    )
