@@ -247,7 +247,11 @@ def test_sgd_lr_defaults_to_torchs() -> None:
 def test_maximize_is_minimizing_the_negated_gradient(make: Callable[..., Any]) -> None:
     params, grads = _random_run(holes=False)
     up = _run(lambda ps: make(ps, True), params, grads)
-    down = _run(lambda ps: make(ps, False), params, [[-g for g in gs] for gs in grads])
+    down = _run(
+        lambda ps: make(ps, False),
+        params,
+        [[None if g is None else -g for g in gs] for gs in grads],
+    )
     for a, b in zip(up, down, strict=True):
         np.testing.assert_array_equal(a, b)
 
