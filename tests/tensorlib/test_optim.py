@@ -13,6 +13,7 @@ import pytest
 import tensorlib as tl
 import tensorlib.functional as F
 from tensorlib import nn, optim
+from tests.helpers import DEVICES
 
 Array = np.ndarray[Any, Any]
 SHAPES = [(3, 4), (4,), (1,)]
@@ -441,3 +442,28 @@ def test_loaded_state_follows_the_parameter_dtype() -> None:
     for state in opt32.state.values():
         assert state["exp_avg"].dtype == np.float32 and state["exp_avg_sq"].dtype == np.float32
     assert math.isclose(opt32.param_groups[0]["lr"], 1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: optim.Adam(ps, lr=0.1, betas=(0.3, 0.4), amsgrad=True, weight_decay=0.1),
+        lambda ps: optim.AdamW(ps, lr=0.1, amsgrad=True, maximize=True),
+        lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True),
+    ],
+    ids=["adam-amsgrad", "adamw-amsgrad-maximize", "sgd-nesterov-maximize"],
+)
+def test_every_option_runs_on_the_device_as_on_the_cpu(
+    make: Callable[[list[nn.Parameter]], optim.Optimizer], device: str
+) -> None:
+    params, grads = _random_run(holes=False)
+    ps = [nn.Parameter(tl.tensor(p, device=device)) for p in params]
+    opt = make(ps)
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads, strict=True):
+            p.grad = tl.tensor(g, device=device)
+        opt.step()
+    want = _run(make, params, grads)
+    for p, w in zip(ps, want, strict=True):
+        np.testing.assert_allclose(p.numpy(), w, rtol=1e-12, atol=1e-14)
