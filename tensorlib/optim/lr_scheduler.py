@@ -149,6 +149,13 @@ class LRScheduler:
                 f"{type(self).__name__}.load_state_dict: unexpected entries {unknown} "
                 "(was the state saved from another kind of scheduler?)"
             )
+        groups = len(self.optimizer.param_groups)
+        for key in ("base_lrs", "_last_lr"):
+            if key in state_dict and len(state_dict[key]) != groups:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: {key} has "
+                    f"{len(state_dict[key])} entries, the optimizer has {groups} parameter groups"
+                )
         self.__dict__.update({k: _copy(v) for k, v in state_dict.items()})
 
 
@@ -219,7 +226,9 @@ class LambdaLR(LRScheduler):
             k: _copy(v) for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")
         }
         state["lr_lambdas"] = [
-            None if isinstance(fn, types.FunctionType) else dict(getattr(fn, "__dict__", {}))
+            None
+            if isinstance(fn, types.FunctionType) or not hasattr(fn, "__dict__")
+            else dict(fn.__dict__)
             for fn in self.lr_lambdas
         ]
         return state

@@ -125,6 +125,15 @@ def test_lambda_state_dict_stores_objects_dicts_not_functions(tmp_path: Path) ->
     assert other.steps == 10 and fresh.last_epoch == 0
 
 
+def test_lambda_state_dict_with_a_builtin_callable() -> None:
+    """A callable without a ``__dict__`` (a builtin) is stored as None too."""
+    opt = _opt()
+    sched = L.LambdaLR(opt, math.exp)
+    sd = sched.state_dict()
+    assert sd["lr_lambdas"] == [None]
+    L.LambdaLR(_opt(), math.exp).load_state_dict(sd)
+
+
 def test_state_dict_is_a_snapshot_and_get_last_lr_a_copy() -> None:
     opt = _opt()
     sched = L.MultiStepLR(opt, [1, 3])
@@ -145,6 +154,8 @@ def test_load_state_dict_rejects_another_schedulers_state() -> None:
         L.CosineAnnealingLR(opt, 10).load_state_dict(sd)
     with pytest.raises(TypeError, match="expects a dict"):
         L.StepLR(opt, 2).load_state_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="base_lrs has 1 entries, the optimizer has 2"):
+        L.StepLR(_opt(groups=2), 2).load_state_dict(sd)
     seq = L.SequentialLR(opt, [L.StepLR(opt, 2), L.StepLR(opt, 3)], [4])
     with pytest.raises(ValueError, match="has 1 schedulers, this SequentialLR has 2"):
         seq.load_state_dict(L.SequentialLR(opt, [L.StepLR(opt, 2)], []).state_dict())
