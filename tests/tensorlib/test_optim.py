@@ -13,6 +13,7 @@ import pytest
 import tensorlib as tl
 import tensorlib.functional as F
 from tensorlib import nn, optim
+from tests.helpers import DEVICES
 
 Array = np.ndarray[Any, Any]
 SHAPES = [(3, 4), (4,), (1,)]
@@ -206,7 +207,6 @@ def test_step_records_no_graph() -> None:
     [
         (lambda ps: optim.SGD(ps, lr=-0.1), "lr"),
         (lambda ps: optim.SGD(ps, lr=float("nan")), "lr"),
-        (lambda ps: optim.SGD(ps), "'lr'"),
         (lambda ps: optim.SGD(ps, lr=0.1, momentum=-0.5), "momentum"),
         (lambda ps: optim.SGD(ps, lr=0.1, weight_decay=-1.0), "weight_decay"),
         (lambda ps: optim.SGD(ps, lr=0.1, nesterov=True), "Nesterov"),
@@ -230,6 +230,60 @@ def test_bad_arguments_raise_value_error(
     ps = [nn.Parameter(tl.ones(2)), nn.Parameter(tl.ones(3))]
     with pytest.raises(ValueError, match=match):
         make(ps)
+
+
+def test_sgd_lr_defaults_to_torchs() -> None:
+    assert optim.SGD([nn.Parameter(tl.ones(1))]).param_groups[0]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps, m: optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1, maximize=m),
+        lambda ps, m: optim.Adam(ps, lr=0.1, amsgrad=True, weight_decay=0.1, maximize=m),
+        lambda ps, m: optim.AdamW(ps, lr=0.1, maximize=m),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_maximize_is_minimizing_the_negated_gradient(make: Callable[..., Any]) -> None:
+    params, grads = _random_run(holes=False)
+    up = _run(lambda ps: make(ps, True), params, grads)
+    down = _run(
+        lambda ps: make(ps, False),
+        params,
+        [[None if g is None else -g for g in gs] for gs in grads],
+    )
+    for a, b in zip(up, down, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_amsgrad_keeps_the_running_max_of_the_second_moment() -> None:
+    p = nn.Parameter(tl.tensor([1.0, 1.0], dtype=tl.float64))
+    opt = optim.Adam([p], lr=0.1, betas=(0.0, 0.5), amsgrad=True)
+    for g in ([4.0, 1.0], [0.0, 2.0]):
+        p.grad = tl.tensor(g, dtype=tl.float64)
+        opt.step()
+    state = opt.state[p]
+    np.testing.assert_array_equal(state["exp_avg_sq"], [4.0, 2.25])  # 0.5 * v + 0.5 * g * g
+    np.testing.assert_array_equal(state["max_exp_avg_sq"], [8.0, 2.25])
+    assert "max_exp_avg_sq" in opt.state_dict()["state"][0]
+
+
+def test_amsgrad_resumes_from_a_state_saved_without_it() -> None:
+    """An old checkpoint (amsgrad off) loaded into an amsgrad optimizer: the max starts then."""
+    model = _model(0)
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        del group["amsgrad"]
+    model2 = _model(0)
+    opt2 = optim.Adam(model2.parameters(), lr=0.01, amsgrad=True)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["amsgrad"] is True
+    _train(model2, opt2, range(2, 3))
+    for state in opt2.state.values():
+        np.testing.assert_array_equal(state["max_exp_avg_sq"], state["exp_avg_sq"])
 
 
 def test_bad_parameter_types_raise_type_error() -> None:
@@ -388,3 +442,28 @@ def test_loaded_state_follows_the_parameter_dtype() -> None:
     for state in opt32.state.values():
         assert state["exp_avg"].dtype == np.float32 and state["exp_avg_sq"].dtype == np.float32
     assert math.isclose(opt32.param_groups[0]["lr"], 1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: optim.Adam(ps, lr=0.1, betas=(0.3, 0.4), amsgrad=True, weight_decay=0.1),
+        lambda ps: optim.AdamW(ps, lr=0.1, amsgrad=True, maximize=True),
+        lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, maximize=True),
+    ],
+    ids=["adam-amsgrad", "adamw-amsgrad-maximize", "sgd-nesterov-maximize"],
+)
+def test_every_option_runs_on_the_device_as_on_the_cpu(
+    make: Callable[[list[nn.Parameter]], optim.Optimizer], device: str
+) -> None:
+    params, grads = _random_run(holes=False)
+    ps = [nn.Parameter(tl.tensor(p, device=device)) for p in params]
+    opt = make(ps)
+    for step_grads in grads:
+        for p, g in zip(ps, step_grads, strict=True):
+            p.grad = tl.tensor(g, device=device)
+        opt.step()
+    want = _run(make, params, grads)
+    for p, w in zip(ps, want, strict=True):
+        np.testing.assert_allclose(p.numpy(), w, rtol=1e-12, atol=1e-14)
