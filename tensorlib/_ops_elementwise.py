@@ -90,6 +90,7 @@ class Div(Function):
 
 class Pow(Function):
     __slots__ = ("a", "b", "out")
+    autocast = "float32"
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -125,6 +126,7 @@ class Neg(Function):
 # ============================================================================ unary math
 class Exp(Function):
     __slots__ = ("out",)
+    autocast = "float32"
 
     def forward(self, a: Any) -> Any:
         self.out = out = xp_of(a).exp(a)
@@ -136,6 +138,7 @@ class Exp(Function):
 
 class Log(Function):
     __slots__ = ("a",)
+    autocast = "float32"
 
     def forward(self, a: Any) -> Any:
         self.a = a

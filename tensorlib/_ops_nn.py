@@ -12,6 +12,7 @@ __all__ = ["CrossEntropy", "LayerNormFn", "LogSoftmax", "Softmax"]
 
 class LogSoftmax(Function):
     __slots__ = ("axis", "out")
+    autocast = "float32"
 
     def forward(self, a: Any, axis: int = -1) -> Any:
         xp = xp_of(a)
@@ -27,6 +28,7 @@ class LogSoftmax(Function):
 
 class Softmax(Function):
     __slots__ = ("axis", "out")
+    autocast = "float32"
 
     def forward(self, a: Any, axis: int = -1) -> Any:
         xp = xp_of(a)
@@ -44,6 +46,7 @@ class CrossEntropy(Function):
     """Mean/sum/none of ``-log softmax(logits)[target]`` over rows of (N, C) logits."""
 
     __slots__ = ("count", "e", "reduction", "sum_e", "target", "valid")
+    autocast = "float32"
 
     def forward(
         self,
@@ -91,6 +94,7 @@ class LayerNormFn(Function):
     """Normalize over the last ``ndims`` axes, then scale by weight and shift by bias."""
 
     __slots__ = ("rstd", "shape", "w", "xhat")
+    autocast = "float32"
 
     def forward(
         self, x: Any, w: Any = None, b: Any = None, ndims: int = 1, eps: float = 1e-5
