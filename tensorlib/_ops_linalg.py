@@ -26,9 +26,11 @@ def _mm(a: Any, b: Any, out: Any = None, bias: Any = None) -> Any:
         r = np.matmul(a.astype(np.float32), b.astype(np.float32))
         if bias is not None:
             r += bias
-        if out is None:
-            return r.astype(_F16)  # as before: a float16 product stays float16
-        np.copyto(out, r, casting="same_kind")
+        # Overflow to inf is float16's normal behaviour (GradScaler relies on it): no warning.
+        with np.errstate(over="ignore"):
+            if out is None:
+                return r.astype(_F16)  # float16 operands give float16, whatever the bias
+            np.copyto(out, r, casting="same_kind")
         return out
     r = a @ b if out is None else xp_of(a).matmul(a, b, out=out)
     if bias is not None:
@@ -40,9 +42,10 @@ def _sum0(g: Any, out: Any = None) -> Any:
     """``g.sum(axis=0)`` (into ``out``), accumulated in float32 for float16 NumPy arrays."""
     if g.dtype == _F16 and isinstance(g, np.ndarray):
         r = g.sum(axis=0, dtype=np.float32)
-        if out is None:
-            return r.astype(_F16)
-        np.copyto(out, r, casting="same_kind")
+        with np.errstate(over="ignore"):
+            if out is None:
+                return r.astype(_F16)
+            np.copyto(out, r, casting="same_kind")
         return out
     return g.sum(axis=0) if out is None else g.sum(axis=0, out=out)
 
