@@ -85,7 +85,13 @@ class Matmul(Function):
             if a.ndim == 1:
                 ga = ga.reshape(ga.shape[:-2] + (ga.shape[-1],))
         if self.inputs[1] is not None:
-            gb = _mm(a2.swapaxes(-1, -2), g2)
+            if a.ndim > 2 and b.ndim == 2:
+                # A matrix shared by a batch: fold the batch into rows, one GEMM whose sum over
+                # the batch is part of the accumulation (as torch does; in float16 it rounds
+                # once instead of once per batch element and again when summed).
+                gb = _mm(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+            else:
+                gb = _mm(a2.swapaxes(-1, -2), g2)
             if b.ndim == 1:
                 gb = gb.reshape(gb.shape[:-1])
         return ga, gb
