@@ -72,7 +72,12 @@ def _run(device: str, dtype: Any, bad: dict[int, float], steps: int = 12) -> dic
     ran: list[int] = []
     scales: list[float] = []
     inner = opt.step
-    opt.step = lambda: (ran.append(step), inner())[1]  # type: ignore[method-assign]
+
+    def counted() -> None:
+        ran.append(step)
+        inner()
+
+    opt.step = counted  # type: ignore[method-assign]
     for step in range(steps):
         x = tl.tensor(rng.standard_normal((10, 8)).astype(dtype), device=device)
         opt.zero_grad()

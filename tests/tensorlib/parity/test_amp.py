@@ -216,7 +216,7 @@ def _mlp_params(rng: np.random.Generator) -> list[tuple[tl.Tensor, Any]]:
 
 
 def _mlp(lib: Any, x: Any, p: list[Any]) -> Any:
-    lin = F.linear if lib is tl else TF.linear
+    lin: Any = F.linear if lib is tl else TF.linear
     h = lin(x, p[0], p[1])
     h = h.relu() if lib is tl else torch.relu(h)
     return lin(h, p[2], p[3])
@@ -253,7 +253,7 @@ def _regression(dtype: Any, seed: int) -> tuple[list[tl.Tensor], list[Any], np.n
 
 
 def _loss(lib: Any, x: Any, p: list[Any]) -> Any:
-    lin = F.linear if lib is tl else TF.linear
+    lin: Any = F.linear if lib is tl else TF.linear
     h = lin(x, p[0], p[1])
     h = h.tanh()
     y = lin(h, p[2], p[3])
