@@ -14,6 +14,7 @@ from ._autograd import (
     set_grad_enabled,
 )
 from ._tensor import Tensor
+from ._autocast import autocast
 from ._api import (
     abs,
     broadcast_to,
@@ -63,7 +64,7 @@ from ._device import (
 from ._dtype import bool_, float16, float32, float64, int32, int64
 from ._random import Generator, default_generator, manual_seed
 from ._serialization import load, save
-from . import functional, nn, optim
+from . import amp, functional, nn, optim
 
 __version__ = "0.1.0"
 
@@ -75,7 +76,9 @@ __all__ = [
     "Tensor",
     "__version__",
     "abs",
+    "amp",
     "arange",
+    "autocast",
     "bool_",
     "broadcast_to",
     "clip",

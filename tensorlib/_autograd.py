@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import _autocast
 from ._device import device_of
 from ._dtype import promote_operands
 
@@ -190,6 +191,10 @@ class Function:
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
         """Run the primitive on Tensors and constants; record it when a gradient is needed."""
+        if _autocast.active:  # one global read when no thread has autocast on
+            policy = getattr(cls, "autocast", None)
+            if policy is not None:
+                args = _autocast.cast_args(policy, args)
         raw = []
         ins: list[Tensor | None] = []
         requires_grad = False

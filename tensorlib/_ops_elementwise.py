@@ -96,6 +96,7 @@ class Div(Function):
 class Pow(Function):
     __slots__ = ("a", "b", "out")
     promote_from = 0
+    autocast = "float32"
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -151,6 +152,7 @@ class Exp(Function):
     __slots__ = ("out",)
     promote_from = 0
     float_result = True  # torch: int tensors give float32
+    autocast = "float32"
 
     def forward(self, a: Any) -> Any:
         self.out = out = xp_of(a).exp(a)
@@ -164,6 +166,7 @@ class Log(Function):
     __slots__ = ("a",)
     promote_from = 0
     float_result = True  # torch: int tensors give float32
+    autocast = "float32"
 
     def forward(self, a: Any) -> Any:
         self.a = a

@@ -4,14 +4,55 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ._autograd import Function, take_grad_buffer
 from ._ops_elementwise import xp_of
 
 __all__ = ["Linear", "Matmul"]
 
+_F16 = np.dtype(np.float16)
+
+
+def _mm(a: Any, b: Any, out: Any = None, bias: Any = None) -> Any:
+    """``a @ b (+ bias)``, into ``out`` when given; float16 on NumPy is computed in float32.
+
+    NumPy has no BLAS for float16 (a 256x256 product took ~90 ms instead of ~1 ms) and
+    accumulates in float16. Computing in float32 and rounding once to float16 is what GPUs do
+    (cuBLAS accumulates float16 GEMMs in float32, and adds the bias before rounding), so CPU
+    results match CUDA's and torch's. CuPy arrays take the plain path: cuBLAS already does it.
+    """
+    if a.dtype == _F16 and b.dtype == _F16 and isinstance(a, np.ndarray):
+        r = np.matmul(a.astype(np.float32), b.astype(np.float32))
+        if bias is not None:
+            r += bias
+        # Overflow to inf is float16's normal behaviour (GradScaler relies on it): no warning.
+        with np.errstate(over="ignore"):
+            if out is None:
+                return r.astype(_F16)  # float16 operands give float16, whatever the bias
+            np.copyto(out, r, casting="same_kind")
+        return out
+    r = a @ b if out is None else xp_of(a).matmul(a, b, out=out)
+    if bias is not None:
+        r += bias  # r is fresh, so adding in place saves a temporary
+    return r
+
+
+def _sum0(g: Any, out: Any = None) -> Any:
+    """``g.sum(axis=0)`` (into ``out``), accumulated in float32 for float16 NumPy arrays."""
+    if g.dtype == _F16 and isinstance(g, np.ndarray):
+        r = g.sum(axis=0, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            if out is None:
+                return r.astype(_F16)
+            np.copyto(out, r, casting="same_kind")
+        return out
+    return g.sum(axis=0) if out is None else g.sum(axis=0, out=out)
+
 
 class Matmul(Function):
     __slots__ = ("a", "b")
+    autocast = "lower"
 
     def forward(self, a: Any, b: Any) -> Any:
         if getattr(a, "ndim", 0) == 0 or getattr(b, "ndim", 0) == 0:
@@ -23,7 +64,7 @@ class Matmul(Function):
                 f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)} ({ka} != {kb})"
             )
         self.a, self.b = a, b
-        return a @ b
+        return _mm(a, b)
 
     def backward(self, g: Any) -> Any:
         a, b = self.a, self.b
@@ -40,11 +81,17 @@ class Matmul(Function):
             g2 = g2[..., None]
         ga = gb = None
         if self.inputs[0] is not None:
-            ga = g2 @ b2.swapaxes(-1, -2)
+            ga = _mm(g2, b2.swapaxes(-1, -2))
             if a.ndim == 1:
                 ga = ga.reshape(ga.shape[:-2] + (ga.shape[-1],))
         if self.inputs[1] is not None:
-            gb = a2.swapaxes(-1, -2) @ g2
+            if a.ndim > 2 and b.ndim == 2:
+                # A matrix shared by a batch: fold the batch into rows, one GEMM whose sum over
+                # the batch is part of the accumulation (as torch does; in float16 it rounds
+                # once instead of once per batch element and again when summed).
+                gb = _mm(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+            else:
+                gb = _mm(a2.swapaxes(-1, -2), g2)
             if b.ndim == 1:
                 gb = gb.reshape(gb.shape[:-1])
         return ga, gb
@@ -54,6 +101,7 @@ class Linear(Function):
     """``x @ weight.T + bias`` in one node, with weight of shape (out_features, in_features)."""
 
     __slots__ = ("w", "x")
+    autocast = "lower"
 
     def forward(self, x: Any, w: Any, b: Any = None) -> Any:
         if w.ndim != 2:
@@ -66,24 +114,21 @@ class Linear(Function):
         if b is not None and tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
         self.x, self.w = x, w
-        out = x @ w.T
-        if b is not None:
-            out += b  # out is fresh, so adding in place saves a temporary
-        return out
+        return _mm(x, w.T, bias=b)
 
     def backward(self, g: Any) -> Any:
         x, w = self.x, self.w
         g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
         gx = gw = gb = None
         if self.inputs[0] is not None:
-            gx = g @ w
+            gx = _mm(g, w)
         if self.inputs[1] is not None:
             x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
             # Straight into the weight's grad buffer when it has one (DDP's bucket).
             out = take_grad_buffer(self.inputs[1]) if g2.dtype == x2.dtype == w.dtype else None
-            gw = g2.T @ x2 if out is None else xp_of(g2).matmul(g2.T, x2, out=out)
+            gw = _mm(g2.T, x2, out)
         if len(self.inputs) > 2 and self.inputs[2] is not None:
             bias = self.inputs[2]
             out = take_grad_buffer(bias) if g2.dtype == bias._data.dtype else None
-            gb = g2.sum(axis=0) if out is None else g2.sum(axis=0, out=out)
+            gb = _sum0(g2, out)
         return (gx, gw, gb)[: len(self.inputs)]

@@ -13,6 +13,7 @@ __all__ = ["CrossEntropy", "Embedding", "LayerNormFn", "LogSoftmax", "Softmax"]
 
 class LogSoftmax(Function):
     __slots__ = ("axis", "out")
+    autocast = "float32"
 
     def forward(self, a: Any, axis: int = -1) -> Any:
         xp = xp_of(a)
@@ -28,6 +29,7 @@ class LogSoftmax(Function):
 
 class Softmax(Function):
     __slots__ = ("axis", "out")
+    autocast = "float32"
 
     def forward(self, a: Any, axis: int = -1) -> Any:
         xp = xp_of(a)
@@ -51,6 +53,7 @@ class CrossEntropy(Function):
     """
 
     __slots__ = ("count", "e", "reduction", "smoothing", "sum_e", "target", "valid")
+    autocast = "float32"
 
     def forward(
         self,
@@ -106,6 +109,7 @@ class LayerNormFn(Function):
     """Normalize over the last ``ndims`` axes, then scale by weight and shift by bias."""
 
     __slots__ = ("rstd", "shape", "w", "xhat")
+    autocast = "float32"
 
     def forward(
         self, x: Any, w: Any = None, b: Any = None, ndims: int = 1, eps: float = 1e-5

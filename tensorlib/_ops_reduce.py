@@ -40,6 +40,7 @@ def _expand(g: Any, shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdi
 
 class Sum(Function):
     __slots__ = ("axis", "keepdims", "shape")
+    autocast = "float32"
 
     def forward(self, a: Any, axis: tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
         self.shape, self.axis, self.keepdims = a.shape, axis, keepdims

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _autocast
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_nn as _nn
@@ -183,6 +184,8 @@ def mse_loss(input: Tensor, target: Tensor | Any, reduction: str = "mean") -> Te
         # Why: a NumPy target (as from a data loader) worked on the CPU only; a GPU input met
         # it inside CuPy ("Unsupported type numpy.ndarray"). cross_entropy moves it too.
         target = _on_device(target, input, "mse_loss", "target")
+    if _autocast.active:  # mse_loss is on torch's float32 autocast list (it is no one Function)
+        input, target = _autocast.cast_args("float32", (input, target))
     d = input - target
     sq = d * d
     if reduction == "mean":
