@@ -11,6 +11,10 @@
     # buckets; prints how long the end of backward waited for communication (stats.wait_s):
     python examples/train_transformer_ddp.py --nproc 2 --compare-buckets --steps 60
 
+    # mixed precision (float16 matmuls under tl.autocast, a GradScaler) and gradient
+    # accumulation over 2 micro-batches per optimizer step (the first under no_sync):
+    python examples/train_transformer_ddp.py --nproc 2 --amp --grad-accum 2
+
     # one GPU per rank:
     python -m collectives.run --nproc-per-node 8 examples/train_transformer_ddp.py --device cuda
 
@@ -24,14 +28,21 @@ nothing to download. It is Python documentation, (c) Python Software Foundation,
 PSF License Agreement (its code examples under the Zero-Clause BSD licence).
 
 Each rank trains on its share of the text's non-overlapping windows (a DistributedSampler);
-``--batch-size`` is the global batch. Rank 0 prints the training loss averaged over the ranks,
-the time per step and how long each step's backward waited for the last gradient buckets, then
-a validation loss and a short sample of generated text.
+``--batch-size`` is the global batch of one micro-batch, and ``--grad-accum N`` sums the
+gradients of N of them per optimizer step (an effective batch of N x batch-size). Training
+is what nanoGPT does: AdamW, a linear warm-up (``--warmup`` steps) then a cosine decay to a
+tenth of ``--lr`` (one ``SequentialLR``), gradients clipped to ``--clip`` (their norm, after
+DDP averaged them, so every rank clips alike) and, with ``--amp``, ``tl.autocast`` to float16
+with a ``GradScaler`` (a step whose gradients overflowed is skipped on every rank). Rank 0
+prints the training loss averaged over the ranks, the learning rate, the time per step and
+how long each step's backward waited for the last gradient buckets, then a validation loss
+(computed in float32) and a short sample of generated text.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -48,6 +59,8 @@ import tensorlib.functional as F
 from ddp import DataLoader, DistributedDataParallel, DistributedSampler
 from tensorlib import Tensor, nn, optim
 from tensorlib.nn import init
+from tensorlib.nn.utils import clip_grad_norm_
+from tensorlib.optim import lr_scheduler
 
 # ---------------------------------------------------------------------------- data
 
@@ -202,6 +215,10 @@ class Config:
     n_layer: int = 2
     n_head: int = 4
     lr: float = 3e-3
+    warmup: int = 30  # linear warm-up steps, then cosine decay to lr / 10
+    clip: float = 1.0  # max gradient norm (0: no clipping)
+    amp: bool = False  # float16 autocast + GradScaler
+    grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     device: str = "cpu"
     bucket_cap_mb: float = 25.0
@@ -240,6 +257,60 @@ def build(cfg: Config, vocab: int, device: str, first_mb: float, cap_mb: float) 
     return DistributedDataParallel(model, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
 
 
+@dataclass
+class Trainer:
+    """One model with what steps it: optimizer, learning-rate schedule, gradient scaler."""
+
+    model: Any
+    opt: optim.Optimizer
+    sched: lr_scheduler.LRScheduler
+    scaler: tl.amp.GradScaler
+    skipped: int = 0  # optimizer steps the scaler skipped (overflowed float16 gradients)
+
+
+def make_trainer(model: Any, cfg: Config) -> Trainer:
+    """AdamW; ``cfg.warmup`` steps of linear warm-up, then cosine decay to lr / 10."""
+    opt = optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = min(cfg.warmup, cfg.steps - 1)
+    cosine = lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps - warmup, eta_min=cfg.lr / 10)
+    sched: lr_scheduler.LRScheduler = cosine
+    if warmup > 0:
+        ramp = lr_scheduler.LinearLR(opt, start_factor=1 / warmup, total_iters=warmup)
+        sched = lr_scheduler.SequentialLR(opt, [ramp, cosine], milestones=[warmup])
+    return Trainer(model, opt, sched, tl.amp.GradScaler(enabled=cfg.amp))
+
+
+def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> list[float]:
+    """One optimizer step over the micro-batches; the loss and the times DDP reports.
+
+    Returns [loss, backward s, wait s, step s, when backward ended]: the backward times are the
+    last micro-batch's, the only one that communicates (the others run under ``no_sync``).
+    """
+    t0 = time.perf_counter()
+    tr.opt.zero_grad()
+    total = 0.0
+    for i, (xb, yb) in enumerate(micro):
+        last = i == len(micro) - 1
+        with contextlib.nullcontext() if last else tr.model.no_sync():
+            with tl.autocast(dtype=tl.float16, enabled=cfg.amp):
+                loss = lm_loss(tr.model(xb), yb) * (1.0 / len(micro))
+            t1 = time.perf_counter()
+            tr.scaler.scale(loss).backward()  # the last returns once every all-reduce is done
+            t2 = time.perf_counter()
+        total += loss.item()
+    tr.scaler.unscale_(tr.opt)  # the averaged gradients: every rank sees the same inf/NaN
+    if cfg.clip > 0:
+        clip_grad_norm_(tr.model.parameters(), cfg.clip)
+    scale = tr.scaler.get_scale()
+    tr.scaler.step(tr.opt)  # skipped, on every rank alike, when a gradient overflowed
+    tr.scaler.update()
+    tr.skipped += tr.scaler.get_scale() < scale
+    tr.sched.step()
+    t3 = time.perf_counter()
+    wait = tr.model.stats.wait_s
+    return [total, t2 - t1, wait, t3 - t0, t2 - wait]
+
+
 def batches(loader: DataLoader) -> Any:
     """Endless batches, reshuffled every epoch (the same epoch number on every rank)."""
     epoch = 0
@@ -270,14 +341,16 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
 
     layouts = LAYOUTS if cfg.compare_buckets else [("run", cfg.first_bucket_mb, cfg.bucket_cap_mb)]
     models = [build(cfg, len(vocab), device, first, cap) for _, first, cap in layouts]
-    opts = [optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=0.01) for m in models]
+    trainers = [make_trainer(m, cfg) for m in models]
     n_params = sum(p.size for p in models[0].parameters())
     if master:
         print(
             f"{len(text):,} characters of pydoc_data.topics, vocabulary {len(vocab)}, "
             f"{len(x_train):,} training windows of {cfg.block}; model {n_params:,} parameters; "
             f"world size {world} ({collectives.get_backend()}, {device}), global batch "
-            f"{cfg.batch_size} = {world} x {cfg.batch_size // world}",
+            f"{cfg.batch_size} = {world} x {cfg.batch_size // world}"
+            + (f", {cfg.grad_accum} micro-batches per step" if cfg.grad_accum > 1 else "")
+            + (", float16 autocast + GradScaler" if cfg.amp else ""),
             flush=True,
         )
         for (name, _, _), m in zip(layouts, models, strict=True):
@@ -302,24 +375,16 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     loss_sums = np.zeros(len(layouts))
     since = 0
     for step in range(1, cfg.steps + 1):
-        xb, yb = next(it)
+        micro = [next(it) for _ in range(cfg.grad_accum)]
         # Rotate which layout goes first so machine noise does not favour one of them.
         for k in [(step + j) % len(layouts) for j in range(len(layouts))]:
-            model, opt = models[k], opts[k]
-            t0 = time.perf_counter()
-            loss = lm_loss(model(xb), yb)
-            opt.zero_grad()
-            t1 = time.perf_counter()
-            loss.backward()  # returns once every bucket's all-reduce is done
-            t2 = time.perf_counter()
-            opt.step()
-            t3 = time.perf_counter()
-            loss_sums[k] += loss.item()
+            loss, backward, wait, took, arrive = train_step(trainers[k], micro, cfg)
+            loss_sums[k] += loss
             if step > warmup:
-                rec[k]["backward"].append(t2 - t1)
-                rec[k]["wait"].append(model.stats.wait_s)
-                rec[k]["step"].append(t3 - t0)
-                rec[k]["arrive"].append(t2 - model.stats.wait_s)
+                rec[k]["backward"].append(backward)
+                rec[k]["wait"].append(wait)
+                rec[k]["step"].append(took)
+                rec[k]["arrive"].append(arrive)
         since += 1
         if bar is not None:
             bar.update(1)
@@ -335,6 +400,7 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
                 )
                 print(
                     f"step {step:4d}  train loss {loss_sums[0] / since:.4f}  "
+                    f"lr {trainers[0].sched.get_last_lr()[0]:.2e}  "
                     f"{_recent_ms(rec[0]['step'], since):.1f} ms/step  "
                     f"wait after backward {waits} ms",
                     flush=True,
@@ -345,8 +411,15 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
         bar.close()
 
     val_loss = evaluate(models[0], x_val, y_val, rank, world, device)
-    summary: dict[str, Any] = {"rank": rank, "val_loss": val_loss}
+    skipped = trainers[0].skipped
+    summary: dict[str, Any] = {"rank": rank, "val_loss": val_loss, "skipped_steps": skipped}
     if master:
+        if cfg.amp:
+            print(
+                f"GradScaler: {skipped} of {cfg.steps} steps skipped (overflow), final scale "
+                f"{trainers[0].scaler.get_scale():g}",
+                flush=True,
+            )
         print(f"validation loss {val_loss:.4f} ({min(len(x_val), 256)} windows)", flush=True)
         prompt = vocab.encode("The ")
         sample = vocab.decode(generate(models[0].module, prompt, 160, device, cfg.seed))
@@ -451,7 +524,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--n-layer", type=int, default=d.n_layer)
     p.add_argument("--n-head", type=int, default=d.n_head)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    p.add_argument("--clip", type=float, default=d.clip, help="max gradient norm (0: off)")
+    p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")
+    p.add_argument(
+        "--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="cpu, or cuda for one GPU per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
@@ -471,8 +550,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         p.error("--nproc starts ranks itself; under a launcher leave it out")
     if a.nproc is not None and a.batch_size % a.nproc:
         p.error(f"--batch-size {a.batch_size} (global) must be divisible by --nproc {a.nproc}")
-    if a.steps < 1 or a.log_every < 1:
-        p.error("--steps and --log-every must be >= 1")
+    if a.steps < 1 or a.log_every < 1 or a.grad_accum < 1:
+        p.error("--steps, --log-every and --grad-accum must be >= 1")
+    if a.warmup < 0 or a.clip < 0:
+        p.error("--warmup and --clip must be >= 0")
     cfg = replace(
         d,
         steps=a.steps,
@@ -482,6 +563,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         n_layer=a.n_layer,
         n_head=a.n_head,
         lr=a.lr,
+        warmup=a.warmup,
+        clip=a.clip,
+        amp=a.amp,
+        grad_accum=a.grad_accum,
         seed=a.seed,
         device=a.device,
         bucket_cap_mb=a.bucket_cap_mb,

@@ -194,3 +194,29 @@ def test_transformer_bucket_layouts_train_identically() -> None:
     assert "parameters identical across bucket layouts: yes" in out
     for layout in ("one bucket", "default", "small"):
         assert re.search(rf"^{layout} +\d+", out, re.M), out
+
+
+def _val_loss(out: str) -> float:
+    m = re.search(r"^validation loss ([\d.]+)", out, re.M)
+    assert m, f"no validation loss line in:\n{out}"
+    return float(m.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
+    """Two micro-batches of 4 per rank under no_sync give the step one batch of 8 gives (same
+    windows, same schedule and clipping); --amp runs the same steps in float16 under autocast."""
+    tiny = ["--nproc", "2", "--steps", "4", "--log-every", "4", "--no-progress"]
+    tiny += ["--d-model", "32", "--block", "16", "--warmup", "2", "--clip", "0.5"]
+    whole = _ok(_run(["examples/train_transformer_ddp.py", *tiny, "--batch-size", "16"]))
+    accum = _ok(
+        _run(["examples/train_transformer_ddp.py", *tiny, "--batch-size", "8", "--grad-accum", "2"])
+    )
+    assert "2 micro-batches per step" in accum
+    assert _val_loss(accum) == pytest.approx(_val_loss(whole), abs=2e-4), (whole, accum)
+    amp = _ok(_run(["examples/train_transformer_ddp.py", *tiny, "--batch-size", "16", "--amp"]))
+    assert "float16 autocast + GradScaler" in amp
+    assert re.search(r"^GradScaler: \d+ of 4 steps skipped", amp, re.M), amp
+    # float16 matmuls change the numbers a little, not the training.
+    assert _val_loss(amp) == pytest.approx(_val_loss(whole), rel=0.02), (whole, amp)
