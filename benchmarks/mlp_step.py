@@ -2,12 +2,16 @@
 
     python -m benchmarks.mlp_step                       # CPU, 784-1024-1024-10, batch 256
     python -m benchmarks.mlp_step --device cuda         # CuPy (and torch.cuda if present)
+    python -m benchmarks.mlp_step --amp                 # float16 autocast + GradScaler in both
     python -m benchmarks.mlp_step --json out.json
 
 A step is forward, cross-entropy, backward and an SGD-with-momentum update, on identical
 shapes, initial weights and batches for both libraries. The two are timed in alternating
 rounds (ABAB...) so that noise from a shared machine hits both alike; the figure to read is
 the ratio of medians. PyTorch is optional: without it only tensorlib's times are printed.
+With ``--amp`` each library runs its step the mixed-precision way: the forward and the loss
+under ``autocast`` to float16 (``tl.autocast`` / ``torch.autocast``), backward and the update
+through a ``GradScaler``.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _time(fn: Callable[[], None], iters: int, sync: Callable[[], None]) -> list[
 
 
 def build_tensorlib_step(
-    sizes: list[int], batch: int, device: str, seed: int
+    sizes: list[int], batch: int, device: str, seed: int, amp: bool = False
 ) -> tuple[
     Callable[[], None], list[np.ndarray[Any, Any]], np.ndarray[Any, Any], np.ndarray[Any, Any]
 ]:
@@ -71,12 +75,15 @@ def build_tensorlib_step(
     y_np = rng.integers(0, sizes[-1], size=batch).astype(np.int64)
     x, y = tl.tensor(x_np, device=device), tl.tensor(y_np, device=device)
     init = [p.numpy().copy() for p in model.parameters()]
+    scaler = tl.amp.GradScaler(enabled=amp)
 
     def step() -> None:
-        loss = F.cross_entropy(model(x), y)
+        with tl.autocast(dtype=tl.float16, enabled=amp):
+            loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     return step, init, x_np, y_np
 
@@ -88,6 +95,7 @@ def build_torch_step(
     x_np: Any,
     y_np: Any,
     device: str,
+    amp: bool = False,
 ) -> Callable[[], None]:
     """The same model, weights, batch and optimizer in PyTorch eager."""
     dev = "cuda" if device.startswith("cuda") else "cpu"
@@ -99,12 +107,15 @@ def build_torch_step(
     x = torch.from_numpy(x_np).to(dev)
     y = torch.from_numpy(y_np).to(dev)
     loss_fn = torch.nn.functional.cross_entropy
+    scaler = torch.amp.GradScaler(dev, enabled=amp)
 
     def step() -> None:
-        loss = loss_fn(model(x), y)
+        with torch.autocast(dev, dtype=torch.float16, enabled=amp):
+            loss = loss_fn(model(x), y)
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     return step
 
@@ -161,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chain", type=int, default=1000, help="tiny adds in the overhead test")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    p.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler in both")
     p.add_argument("--json", help="write the results to this path")
     args = p.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
@@ -170,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         print("torch has no CUDA here; comparing against tensorlib only", file=sys.stderr)
         torch = None
 
-    tl_step, init, x_np, y_np = build_tensorlib_step(sizes, args.batch, device, seed=0)
+    tl_step, init, x_np, y_np = build_tensorlib_step(sizes, args.batch, device, 0, args.amp)
     steps: dict[str, Callable[[], None]] = {"tensorlib": tl_step}
     if torch is not None:
-        steps["torch"] = build_torch_step(torch, sizes, init, x_np, y_np, device)
+        steps["torch"] = build_torch_step(torch, sizes, init, x_np, y_np, device, args.amp)
     sync = lambda: _sync(device, torch)  # noqa: E731
     for fn in steps.values():
         for _ in range(args.warmup):
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
         "batch": args.batch,
         "device": device,
+        "amp": args.amp,
         "numpy": np.__version__,
         "tensorlib": tl.__version__,
         "torch": getattr(torch, "__version__", None),
@@ -199,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch is not None:
         result["torch_threads"] = torch.get_num_threads()
     print(
-        f"MLP {'-'.join(map(str, sizes))}, batch {args.batch}, float32, {device}, "
+        f"MLP {'-'.join(map(str, sizes))}, batch {args.batch}, "
+        f"{'float16 autocast + GradScaler' if args.amp else 'float32'}, {device}, "
         f"SGD momentum; median of {args.rounds * args.iters} steps"
     )
     for name, ts in times.items():

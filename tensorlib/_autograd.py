@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _autocast
 from ._device import device_of
-from ._dtype import promote_operands
+from ._dtype import FLOATING, promote_operands
 
 __all__ = [
     "Function",
@@ -221,14 +221,16 @@ class Function:
                         f"{dev} and {a._device}"
                     )
             else:
-                if isinstance(a, np.generic):  # NumPy scalars act as Python numbers, as in torch
-                    a = a.item()  # (np.float64 is a float subclass: test it first)
-                elif not isinstance(a, _NUMBERS):
-                    dt = False  # an array operand: promotion decides
+                kind = type(a)
+                if kind is not float and kind is not int:  # (the common case, checked cheaply)
+                    if isinstance(a, np.generic):  # NumPy scalars act as Python numbers (torch's
+                        a = a.item()  # rule); np.float64 is a float subclass: test it first
+                    elif not isinstance(a, _NUMBERS):
+                        dt = False  # an array operand: promotion decides
                 raw.append(a)
                 ins.append(None)
         # One floating dtype and Python numbers: that dtype wins, nothing to promote.
-        if cls.promote_from is not None and (dt is None or dt is False or dt.kind != "f"):
+        if cls.promote_from is not None and dt not in FLOATING:
             promote_operands(raw, cls.promote_from, cls.float_result)
         ctx = object.__new__(cls)
         try:
