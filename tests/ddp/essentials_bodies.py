@@ -14,12 +14,12 @@ import contextlib
 from typing import Any
 
 import numpy as np
-from tensorlib.nn.utils import clip_grad_norm_
 
 import collectives as C
 import tensorlib as tl
 from ddp import DistributedDataParallel
 from tensorlib import Tensor, nn
+from tensorlib.nn.utils import clip_grad_norm_
 from tensorlib.optim import lr_scheduler
 
 from .ddp_bodies import D_OUT, Net, Shards, _digest, _widths
