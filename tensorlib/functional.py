@@ -227,6 +227,22 @@ def layer_norm(
     return _nn.LayerNormFn.apply(x, weight, bias, ndims=len(ns), eps=eps)
 
 
+def _padding_index(padding_idx: int | None, num: int, who: str) -> int | None:
+    """``padding_idx`` checked against ``num`` embeddings, negative values counted from the end.
+
+    Raises:
+        ValueError: outside ``[-num, num)``.
+    """
+    if padding_idx is None:
+        return None
+    if not -num <= padding_idx < num:
+        raise ValueError(
+            f"{who}: padding_idx must be in [-{num}, {num}) for {num} embeddings, "
+            f"got {padding_idx}"
+        )
+    return padding_idx % num
+
+
 def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = None) -> Tensor:
     """Rows of ``weight`` picked by integer ``indices`` (any shape); gradients add up.
 
@@ -252,13 +268,7 @@ def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = N
         if lo < 0 or hi >= num:
             bad = lo if lo < 0 else hi
             raise IndexError(f"embedding: index {bad} is out of range for {num} embeddings")
-    if padding_idx is not None:
-        if not -num <= padding_idx < num:
-            raise ValueError(
-                f"embedding: padding_idx must be in [-{num}, {num}) for {num} embeddings, "
-                f"got {padding_idx}"
-            )
-        padding_idx %= num
+    padding_idx = _padding_index(padding_idx, num, "embedding")
     return _nn.Embedding.apply(
         weight, index=_on_device(idx, weight, "embedding", "indices"), padding_idx=padding_idx
     )

@@ -102,13 +102,7 @@ class Embedding(Module):
         generator: Generator | None = None,
     ) -> None:
         super().__init__()
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(
-                    f"Embedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), "
-                    f"got {padding_idx}"
-                )
-            padding_idx %= num_embeddings
+        padding_idx = F._padding_index(padding_idx, num_embeddings, "Embedding")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         g = generator if generator is not None else default_generator
