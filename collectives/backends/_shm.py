@@ -191,7 +191,18 @@ class Segment:
         if "/" in name or not name.startswith(PREFIX):
             raise ValueError(f"refusing to map an unexpected shared-memory name {name!r}")
         path = os.path.join(_SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            m = _TAIL.search(name)
+            if m is None or pid_alive(int(m.group(1))):
+                raise
+            # A sweep (or a cleanup) removed the name of a creator that died meanwhile.
+            raise FileNotFoundError(
+                exc.errno,
+                f"shared-memory segment {name} is gone: its creator, pid {m.group(1)}, exited "
+                "or was killed while the group was being set up",
+            ) from exc
         try:
             size = os.fstat(fd).st_size
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -282,3 +282,11 @@ def test_launcher_cleanup_of_one_job_leaves_a_job_with_a_shared_prefix_alone(
     assert not gone, f"cleaning up job sweep_lr_0.001_bs64 removed job ..._bs32's {gone}"
     for pid in other:
         procs.kill(pid)
+
+
+def test_attaching_a_swept_segment_names_its_dead_creator() -> None:
+    """A peer that maps a dead rank's segment after a sweep removed it is told why."""
+    dead = _dead_pid()
+    name = f"{_shm.PREFIX}{_shm.run_tag('hygiene_unit')}-g-r0-{dead}-{_shm.origin_id()}-0123abcd"
+    with pytest.raises(FileNotFoundError, match=f"its creator, pid {dead}, exited or was killed"):
+        _shm.Segment.attach(name)
