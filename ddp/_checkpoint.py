@@ -2,10 +2,12 @@
 
 A checkpoint is a ``tensorlib.save`` file (``.npz`` with a JSON manifest, no pickle) holding
 ``{"format", "model", "optimizer", "step", "extra"}``. ``tensorlib.save`` writes to a temporary
-file and renames it, so the path never names a half-written file; in a job of several ranks
-only rank 0 writes, and the other ranks wait for it inside :func:`save_checkpoint`, so a rank
-that reads the checkpoint right after saving it finds it complete. The path must be visible to
-every rank that loads it (one host, or a shared filesystem).
+file, fsyncs it, renames it and fsyncs the directory, so the path never names a half-written
+file, even after a power loss (and it removes what writers killed mid-save left); in a job of
+several ranks only rank 0 writes, and the other ranks wait for it inside
+:func:`save_checkpoint`, so a rank that reads the checkpoint right after saving it finds it
+complete. The path must be visible to every rank that loads it (one host, or a shared
+filesystem).
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ def save_checkpoint(
     """Save model, optimizer and step; rank 0 writes, every rank returns once it is on disk.
 
     Every rank of the default group must call it (it synchronizes them, like a barrier). Rank
-    0 writes the file with ``tensorlib.save`` (temporary file, fsync, rename) after creating
-    missing parent directories; the others never touch the file and wait until rank 0 reports
-    success or failure. A failed write raises on every rank: on rank 0 the original error, on
-    the others a RuntimeError quoting it.
+    0 writes the file with ``tensorlib.save`` (temporary file, fsync, rename, directory fsync)
+    after creating missing parent directories; the others never touch the file and wait until
+    rank 0 reports success or failure. A failed write raises on every rank: on rank 0 the
+    original error, on the others a RuntimeError quoting it.
 
     Args:
         path: the checkpoint file (conventionally ``.npz``).

@@ -3,13 +3,24 @@
 A file holds one array entry per tensor or array (``a0``, ``a1``, ...) plus ``__manifest__``,
 a JSON document (stored as bytes) describing the nesting: dicts, lists, tuples, numbers,
 strings, booleans and None. Loading never enables pickle, so a file cannot run code.
+
+Saving writes ``.tmp-{name}-{path hash}-{pid}-{origin}-{random}.npz`` next to the target,
+fsyncs it, renames it over the target and fsyncs the directory. A writer killed on the way
+leaves its temporary file; the next save to the same path removes those whose writer is
+dead: the name says which path, which process, and on which host and pid namespace
+(:func:`_origin`) that pid means that process, so a live writer's file is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
 from typing import Any
 
 import numpy as np
@@ -80,49 +91,114 @@ def _decode(node: Any, files: Any, device: Device | None) -> Any:
     return node
 
 
-def _umask() -> int:
-    # Read the umask without changing it (os.umask would, for a moment, for every thread).
+# ---------------------------------------------------------------------------- temp files
+@functools.cache  # a process never changes pid namespace (unshare/setns apply to children)
+def _origin() -> str:
+    """8 hex digits naming this host, boot and pid namespace: where a recorded pid is ours."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        # Cannot tell: a random origin, so no other process ever sweeps this one's files.
+        return secrets.token_hex(4)
+    return hashlib.sha256(f"{os.uname().nodename}/{boot}/{pidns}".encode()).hexdigest()[:8]
+
+
+def _path_key(name: str) -> str:
+    """A readable cut of a target's file name and a hash of all of it: which temporary files
+    belong to which target (a file name of up to 255 bytes leaves no room for more)."""
+    cut = re.sub(r"[^A-Za-z0-9_.]", "_", name)[:48]
+    return f"{cut}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def _temp_name(name: str, pid: int) -> str:
+    return f".tmp-{_path_key(name)}-{pid}-{_origin()}-{secrets.token_hex(4)}.npz"
+
+
+def _pid_gone(pid: int) -> bool:
+    """True only when process ``pid`` (of our namespace) has positively exited or is a zombie;
+    a pid we may not signal, or reused by another process, counts as alive (conservative)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _sweep_temps(directory: str, name: str) -> None:
+    """Remove the temporary files of saves to ``directory/name`` whose writer is dead."""
+    stale = re.compile(
+        rf"\.tmp-{re.escape(_path_key(name))}-([1-9][0-9]*)-{_origin()}-[0-9a-f]{{8}}\.npz"
+    )
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            m = stale.fullmatch(entry.name)
+            if m is not None and _pid_gone(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (where the platform can sync directories)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # e.g. Windows: directories cannot be opened, renames are journaled
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise  # EIO and the like: the checkpoint may not be on disk
+    finally:
+        os.close(fd)
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Save a state dict (or any nesting of dicts/lists of tensors, arrays and scalars).
 
-    The file is written to a temporary name in the same directory, flushed to disk, then
-    renamed over ``path``, so a crash never leaves a half-written file under that name.
+    The file is written to a temporary name in the same directory and fsynced, renamed over
+    ``path``, then the directory is fsynced: a crash, even a power loss, leaves under that
+    name either the previous file or the complete new one, never a half-written or empty
+    one. Temporary files that earlier saves to ``path`` left when their process was killed
+    are removed first (never those of a writer still running).
 
     Raises:
         TypeError: for values that cannot be stored without pickle.
+        OSError: when the file cannot be written (the previous file is kept).
     """
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     manifest = {"format": _FORMAT, "root": _encode(obj, arrays, "state")}
     blob = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
     target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    directory, name = os.path.split(os.path.abspath(target))
+    _sweep_temps(directory, name)  # frees their space before this save needs it
+    while True:
+        tmp = os.path.join(directory, _temp_name(name, os.getpid()))
+        try:
+            # Mode 0o666 less the umask: what a plain open() gives the file.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **{_MANIFEST: blob}, **arrays)  # type: ignore[arg-type]
             f.flush()
+            # Data on disk before the rename makes it visible under the target's name.
             os.fsync(f.fileno())
-        # mkstemp creates the file 0600; give it the mode a plain open() would (umask applies).
-        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
+    _fsync_dir(directory)
 
 
 def load(path: str | os.PathLike[str], device: str | Device | None = None) -> Any:
