@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
 
+from collectives.backends._shm import run_tag
 from collectives.run import free_port  # the launcher's own (re-exported as harness.free_port)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -35,9 +36,13 @@ def session_run_id() -> str:
     return f"t{_SESSION_ID}"
 
 
-def leaked_segments(run_id_prefix: str | None = None) -> list[str]:
-    """Names of /dev/shm segments whose DPT_RUN_ID starts with ``run_id_prefix``."""
-    prefix = SHM_PREFIX + (run_id_prefix if run_id_prefix is not None else session_run_id())
+def leaked_segments(run_id: str | None = None) -> list[str]:
+    """Names of /dev/shm segments of the job ``run_id`` (exactly: ``...p1`` is not ``...p10``),
+    or of every pool of this test session when None."""
+    if run_id is None:
+        prefix = SHM_PREFIX + session_run_id()  # every pool's tag starts with it (short ids)
+    else:
+        prefix = f"{SHM_PREFIX}{run_tag(run_id)}-"
     try:
         return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
     except FileNotFoundError:
