@@ -14,7 +14,7 @@ from types import TracebackType
 
 from ._addresses import connect_address, strip_brackets
 from ._connection import Connection, Dialer, secret_from
-from ._errors import StoreConnectionError, StoreError, StoreTimeoutError
+from ._errors import StoreConnectionError, StoreError, StoreLimitError, StoreTimeoutError
 from ._server import Server
 from ._wire import (
     I64_MAX,
@@ -180,6 +180,7 @@ class TCPStore:
 
         Raises:
             StoreError: the store is closed or unreachable.
+            StoreLimitError: the store is full (its key or byte limit, see ``_limits``).
         """
         payload = Writer(Op.SET).blob(_encode_key(key)).blob(_encode_value(value)).payload()
         self._call(f"set({key!r})", payload, self.timeout)
@@ -364,6 +365,9 @@ class TCPStore:
                 if kind == ErrorKind.VALUE:
                     keep = True  # the server keeps this connection open
                     raise ValueError(f"store {what}: {message}")
+                if kind == ErrorKind.LIMIT:
+                    keep = True
+                    raise StoreLimitError(f"store {what} refused by {self._where}: {message}")
                 raise StoreError(f"store {what} rejected by {self._where}: {message}")
             raise ProtocolError(f"unknown reply status 0x{status:02x}")
         except ProtocolError as exc:
