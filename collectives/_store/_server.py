@@ -207,10 +207,10 @@ class Server:
                 sock, addr = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError:
-                # Out of file descriptors or similar: free one held by a peer that has not
-                # proven itself, else back off rather than spin.
-                if self._pending:
+            except OSError as exc:
+                # Out of file descriptors: free one held by a peer that has not proven itself;
+                # else (or another error) back off rather than spin.
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
                     self._close_conn(next(iter(self._pending)))
                     continue
                 time.sleep(0.05)

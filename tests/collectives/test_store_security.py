@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from collectives._store import (
     _addresses,
     is_local_address,
 )
+from collectives._store._wire import ProtocolError, Seal
 from tests.collectives.harness import leaked_segments
 from tests.helpers import run_to_end
 
@@ -409,6 +411,26 @@ def test_a_relay_that_rewrites_frames_is_caught(direction: str) -> None:
             assert direct.get("k") == b"genuine-value"
 
 
+def test_sealed_frames_replayed_reordered_or_reflected_fail() -> None:
+    # The two ends of one connection: what the relay tests do to bytes, done to whole frames.
+    sn, cn = os.urandom(32), os.urandom(32)
+    client = Seal(SECRET.encode(), sn, cn, server=False)
+    server = Seal(SECRET.encode(), sn, cn, server=True)
+    first, second = b"set a", b"set b"
+    t1, t2 = client.tag(first), client.tag(second)
+    server.check(first, t1)
+    with pytest.raises(ProtocolError, match="integrity"):
+        server.check(first, t1)  # replayed (and, as the next expected frame, reordered)
+    other = Seal(SECRET.encode(), sn, cn, server=True)
+    with pytest.raises(ProtocolError, match="integrity"):
+        other.check(second, t2)  # the first frame dropped
+    reply = server.tag(b"ok")
+    with pytest.raises(ProtocolError, match="integrity"):
+        Seal(SECRET.encode(), sn, cn, server=True).check(b"ok", reply)  # reflected back
+    with pytest.raises(ProtocolError, match="integrity"):  # another connection's nonces
+        Seal(SECRET.encode(), sn, os.urandom(32), server=True).check(first, t1)
+
+
 # ----------------------------------------------------------------------------- item 12: limits
 
 
@@ -446,6 +468,33 @@ def test_idle_connections_cannot_lock_ranks_out(secret: str | None) -> None:
             for s in idle:
                 s.close()
         assert proc.poll() is None
+
+
+def test_a_burst_of_ranks_over_the_pending_cap_all_get_in() -> None:
+    # Dropping the oldest pending handshake must not cost a real rank its place: a dropped
+    # client retries. 64 clients at once against a cap of 4.
+    errors: list[BaseException] = []
+
+    def join(port: int) -> None:
+        try:
+            with TCPStore(
+                "127.0.0.1", port, is_server=False, secret=SECRET, timeout=5, connect_timeout=10
+            ) as c:
+                c.add("joined", 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with store_process(DPT_STORE_MAX_PENDING="4", DPT_STORE_SECRET=SECRET) as (_, port):
+        threads = [threading.Thread(target=join, args=(port,)) for _ in range(64)]
+        t0 = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(15)
+        assert errors == []
+        assert elapsed_since(t0) < 10.0
+        with TCPStore("127.0.0.1", port, is_server=False, secret=SECRET, timeout=5) as c:
+            assert c.add("joined", 0) == 64
 
 
 def test_key_count_cap_is_a_clear_error_and_others_are_served() -> None:
