@@ -4,6 +4,8 @@ A handler reads its request's fields, acts on the key-value ``data`` and returns
 ``Reply`` to send at once or a ``Parked`` request (a GET or WAIT whose keys do not exist yet)
 for the server to answer later with ``answer_parked``. Handlers do no I/O; a malformed request
 raises ``ProtocolError`` and costs the sender its connection (see ``_wire`` for the format).
+A request that would take the store over its key or byte limit (``_limits``) does nothing and
+gets a ``LIMIT`` error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ._limits import MAX_BYTES_ENV, MAX_KEYS_ENV
 from ._wire import (
     I64_MAX,
     I64_MIN,
@@ -27,7 +30,60 @@ from ._wire import (
     error_payload,
 )
 
-Data = dict[str, bytes]
+
+class Data:
+    """The keys and values, with their count and size held under the server's limits."""
+
+    __slots__ = ("_items", "max_bytes", "max_keys", "nbytes")
+
+    def __init__(self, max_keys: int, max_bytes: int) -> None:
+        self._items: dict[str, bytes] = {}
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # UTF-8 bytes of every key + bytes of every value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def __getitem__(self, key: str) -> bytes:
+        return self._items[key]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: str) -> bytes | None:
+        return self._items.get(key)
+
+    def put(self, key: str, value: bytes) -> bytes | None:
+        """Store ``value`` at ``key``; None, or the ``LIMIT`` error to reply (nothing stored)."""
+        old = self._items.get(key)
+        if old is None:
+            if len(self._items) >= self.max_keys:
+                return error_payload(
+                    ErrorKind.LIMIT,
+                    f"the store is full: it holds {len(self._items)} keys, its limit "
+                    f"({MAX_KEYS_ENV}); delete keys or raise the limit on rank 0",
+                )
+            grow = len(key.encode()) + len(value)
+        else:
+            grow = len(value) - len(old)
+        if grow > 0 and self.nbytes + grow > self.max_bytes:
+            return error_payload(
+                ErrorKind.LIMIT,
+                f"the store is full: {self.nbytes} bytes of keys and values held, {grow} "
+                f"more would pass its limit of {self.max_bytes} ({MAX_BYTES_ENV}); delete "
+                "keys or raise the limit on rank 0",
+            )
+        self._items[key] = value
+        self.nbytes += grow
+        return None
+
+    def pop(self, key: str) -> bytes | None:
+        value = self._items.pop(key, None)
+        if value is not None:
+            self.nbytes -= len(key.encode()) + len(value)
+        return value
+
 
 # What ADD accepts as an integer value: an optional sign and at most 19 decimal digits.
 _INT_VALUE = re.compile(rb"[+-]?[0-9]{1,19}")
@@ -54,7 +110,9 @@ Handler = Callable[[Data, Reader], Reply | Parked]
 def _set(data: Data, r: Reader) -> Reply:
     key, value = r.key(), r.blob(MAX_VALUE_BYTES)
     r.end()
-    data[key] = value
+    full = data.put(key, value)
+    if full is not None:
+        return Reply(full)
     return Reply(OK_PAYLOAD, created=key)
 
 
@@ -69,7 +127,7 @@ def _get(data: Data, r: Reader) -> Reply | Parked:
 def _add(data: Data, r: Reader) -> Reply:
     key, amount = r.key(), r.i64()
     r.end()
-    old = data.get(key, b"0")
+    old = data.get(key) or b"0"
     if not _INT_VALUE.fullmatch(old):
         message = f"the value {old[:40]!r} of key {key!r} is not an integer"
         return Reply(error_payload(ErrorKind.VALUE, message))
@@ -77,7 +135,9 @@ def _add(data: Data, r: Reader) -> Reply:
     if not I64_MIN <= new <= I64_MAX:
         message = f"{int(old)} + {amount} overflows int64 (key {key!r})"
         return Reply(error_payload(ErrorKind.VALUE, message))
-    data[key] = str(new).encode()
+    full = data.put(key, str(new).encode())
+    if full is not None:
+        return Reply(full)
     return Reply(Writer(Status.OK).i64(new).payload(), created=key)
 
 
@@ -98,7 +158,7 @@ def _check(data: Data, r: Reader) -> Reply:
 def _delete(data: Data, r: Reader) -> Reply:
     key = r.key()
     r.end()
-    existed = data.pop(key, None) is not None
+    existed = data.pop(key) is not None
     return Reply(Writer(Status.OK).u8(existed).payload())
 
 
@@ -109,7 +169,10 @@ def _compare_set(data: Data, r: Reader) -> Reply:
     created = None
     # A missing key counts as holding b"".
     if (current is None and expected == b"") or current == expected:
-        data[key] = current = desired
+        full = data.put(key, desired)
+        if full is not None:
+            return Reply(full)
+        current = desired
         created = key
     return Reply(Writer(Status.OK).blob(current or b"").payload(), created=created)
 

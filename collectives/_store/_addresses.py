@@ -1,19 +1,24 @@
 """Which addresses name this machine, and which one the store server binds to.
 
-The server binds to loopback unless ``host`` names another address of this machine; it never
-binds to an address it was not asked for, and refuses one that is not this host's.
+The server binds exactly the address ``host`` names (a loopback one such as 127.0.0.2 or
+Debian's 127.0.1.1 included, since that is what peers dial); it never binds to an address it
+was not asked for, and refuses one that is not this host's. Bound to every interface (0.0.0.0,
+::) it wants a secret; bound to another network address without one, it warns.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import warnings
 
 from ._errors import StoreError
 
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 _LOOPBACK_V4 = "127.0.0.1"
 _LOOPBACK_V6 = "::1"
+# Named here (not imported from ``_connection``) to keep this module free of the client.
+SECRET_HINT = "DPT_STORE_SECRET"
 
 
 def is_loopback(host: str) -> bool:
@@ -65,18 +70,16 @@ def family_of(address: str) -> socket.AddressFamily:
 
 
 def bind_address(host: str) -> str:
-    """The address the server binds to for ``host``: loopback, or this host's address.
+    """The address the server binds to for ``host``: the one it names, which peers dial.
+
+    ``localhost`` binds 127.0.0.1; another name binds the first address of this host it
+    resolves to (a name that Debian maps to 127.0.1.1 binds that).
 
     Raises:
         StoreError: ``host`` is not an address of this machine.
     """
     plain = strip_brackets(host)
-    if is_loopback(plain):
-        try:
-            if ipaddress.ip_address(plain).version == 6:
-                return _LOOPBACK_V6
-        except ValueError:
-            pass
+    if plain.lower() in _LOOPBACK_NAMES and plain.lower() != "ip6-localhost":
         return _LOOPBACK_V4
     addr = _first_bindable(plain)
     if addr is None:
@@ -88,6 +91,40 @@ def bind_address(host: str) -> str:
             "MASTER_ADDR must name; check MASTER_ADDR."
         )
     return addr
+
+
+def check_exposure(bound: str, host: str, secret: bytes | None) -> None:
+    """Refuse to listen on every interface without a secret; warn for another network address.
+
+    Args:
+        bound: the address the server is about to bind (``bind_address(host)``).
+        host: the address as the user gave it (MASTER_ADDR), for messages.
+        secret: the shared secret, if any.
+
+    Raises:
+        StoreError: ``bound`` is the wildcard address and there is no secret.
+    """
+    if secret is not None:
+        return
+    ip = ipaddress.ip_address(bound)
+    how = (
+        f"set {SECRET_HINT} on every rank (e.g. export DPT_STORE_SECRET=$(python -c "
+        "'import secrets; print(secrets.token_hex(16))'))"
+    )
+    if ip.is_unspecified:
+        raise StoreError(
+            f"refusing to host the store on {host!r}, every interface of this host, without a "
+            "shared secret: anyone who can reach this host could join the job or feed ranks "
+            f"false rendezvous data. To allow it, {how}; or set MASTER_ADDR to the one "
+            "address of this host that the ranks share (127.0.0.1 when they all run here)"
+        )
+    if not ip.is_loopback:
+        warnings.warn(
+            f"the store listens on {bound} (MASTER_ADDR={host}) without a shared secret: any "
+            f"process that can reach that address can join the job. {how[0].upper()}{how[1:]}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def connect_address(bound: str) -> str:

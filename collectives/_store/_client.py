@@ -14,7 +14,7 @@ from types import TracebackType
 
 from ._addresses import connect_address, strip_brackets
 from ._connection import Connection, Dialer, secret_from
-from ._errors import StoreConnectionError, StoreError, StoreTimeoutError
+from ._errors import StoreConnectionError, StoreError, StoreLimitError, StoreTimeoutError
 from ._server import Server
 from ._wire import (
     I64_MAX,
@@ -107,21 +107,25 @@ class TCPStore:
         """Start the server (when ``is_server``) and connect to it.
 
         Args:
-            host: the store's host (MASTER_ADDR). The server binds to loopback when it is a
-                loopback name or address, else to that address, which must be this host's.
+            host: the store's host (MASTER_ADDR). The server binds exactly the address it
+                names (``localhost``: 127.0.0.1), which must be this host's; the wildcard
+                address (every interface) only with a secret.
             port: the store's port (MASTER_PORT); 0 lets the server pick a free one.
             is_server: host the server in this process (rank 0).
             timeout: default timeout in seconds of ``get``/``wait`` and of every reply.
-            secret: shared secret every client must prove (str is taken as UTF-8); default:
-                the ``DPT_STORE_SECRET`` environment variable when set and non-empty. An
-                empty secret means none.
+            secret: shared secret the server and every client prove to each other (str is
+                taken as UTF-8); default: the ``DPT_STORE_SECRET`` environment variable when
+                set and non-empty. An empty secret means none. A client with a secret only
+                talks to a server that proves it.
             connect_timeout: how long to retry connecting while the server is not up
                 (default: ``timeout``).
 
         Raises:
-            StoreError: the server cannot bind (port taken, address not local).
+            StoreError: the server cannot bind (port taken, address not local, every
+                interface without a secret) or a ``DPT_STORE_MAX_*`` variable is invalid.
             StoreTimeoutError: the server could not be reached within ``connect_timeout``.
-            StoreAuthError: the server refused this client (wrong or missing secret).
+            StoreAuthError: the server refused this client (wrong or missing secret), or
+                did not prove the secret this client has.
         """
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"store port must be an integer in 0..65535, got {port!r}")
@@ -180,6 +184,7 @@ class TCPStore:
 
         Raises:
             StoreError: the store is closed or unreachable.
+            StoreLimitError: the store is full (its key or byte limit, see ``_limits``).
         """
         payload = Writer(Op.SET).blob(_encode_key(key)).blob(_encode_value(value)).payload()
         self._call(f"set({key!r})", payload, self.timeout)
@@ -364,6 +369,9 @@ class TCPStore:
                 if kind == ErrorKind.VALUE:
                     keep = True  # the server keeps this connection open
                     raise ValueError(f"store {what}: {message}")
+                if kind == ErrorKind.LIMIT:
+                    keep = True
+                    raise StoreLimitError(f"store {what} refused by {self._where}: {message}")
                 raise StoreError(f"store {what} rejected by {self._where}: {message}")
             raise ProtocolError(f"unknown reply status 0x{status:02x}")
         except ProtocolError as exc:

@@ -1,12 +1,15 @@
 r"""Connecting to the store server: retries while it is not up, the handshake, the secret.
 
 A ``Dialer`` opens ``Connection``\ s, each a blocking socket that speaks frames (``_wire``)
-and has completed the handshake, proving the shared secret when the server asks for one.
+and has completed the handshake. With a secret the two ends prove it to each other and then
+seal every frame; a client with a secret never talks to a server that cannot prove it.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -18,15 +21,21 @@ from ._wire import (
     MAX_FRAME_BYTES,
     MAX_HELLO_FRAME,
     MAX_HELLO_REPLY_FRAME,
+    MAX_MAC_BYTES,
+    NONCE_BYTES,
     PROTOCOL_VERSION,
+    TAG_BYTES,
     U32,
     ErrorKind,
+    Greeting,
     ProtocolError,
     Reader,
+    Seal,
     Status,
+    client_proof,
     hello_payload,
     parse_greeting,
-    secret_mac,
+    server_proof,
 )
 
 SECRET_ENV_VAR = "DPT_STORE_SECRET"
@@ -43,10 +52,16 @@ _COPY_LIMIT = 1 << 16
 
 
 class Connection:
-    """One authenticated client socket that sends and receives frames (one thread at a time)."""
+    """One authenticated client socket that sends and receives frames (one thread at a time).
+
+    Attributes:
+        sock: the socket.
+        seal: tags and checks every frame once the handshake proved the secret (else None).
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.seal: Seal | None = None
 
     def close(self) -> None:
         try:
@@ -61,18 +76,31 @@ class Connection:
             pass
 
     def send(self, payload: bytes) -> None:
-        header = U32.pack(len(payload))
+        tag = self.seal.tag(payload) if self.seal is not None else b""
+        header = U32.pack(len(payload) + len(tag))
         if len(payload) < _COPY_LIMIT:
-            self.sock.sendall(header + payload)
+            self.sock.sendall(header + payload + tag)
         else:  # avoid copying a large value just to prepend 4 bytes
             self.sock.sendall(header)
             self.sock.sendall(payload)
+            self.sock.sendall(tag)
 
     def recv(self, limit: int = MAX_FRAME_BYTES) -> bytes:
+        """The next frame's payload (its tag checked and removed when sealed).
+
+        Raises:
+            ProtocolError: a bad length, or a sealed frame whose tag is wrong.
+        """
+        extra = TAG_BYTES if self.seal is not None else 0
         (n,) = U32.unpack(self._recv_exact(FRAME_HEADER_BYTES))
-        if n == 0 or n > limit:
-            raise ProtocolError(f"reply frame length {n} outside 1..{limit}")
-        return self._recv_exact(n)
+        if n <= extra or n > limit + extra:
+            raise ProtocolError(f"reply frame length {n} outside {extra + 1}..{limit + extra}")
+        body = self._recv_exact(n)
+        if self.seal is None:
+            return body
+        view = memoryview(body)
+        self.seal.check(view[:-TAG_BYTES], view[-TAG_BYTES:])
+        return bytes(view[:-TAG_BYTES])
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -182,17 +210,21 @@ class Dialer:
         )
 
     def _handshake(self, sock: socket.socket, timeout: float) -> Connection:
-        """Answer the server's greeting (proving the secret) on a fresh socket.
+        """Answer the server's greeting on a fresh socket; with a secret, prove it and check
+        the server's proof.
 
         Raises:
             StoreConnectionError: the connection broke (transient: the caller retries).
-            StoreAuthError: the server refused this client, or speaks another version.
+            StoreAuthError: the server refused this client, speaks another version, or (with
+                a secret) did not prove the secret.
             StoreError: the service on the port is not a dpt store.
         """
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.settimeout(timeout)
         conn = Connection(sock)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        theirs = b""
         try:
             greeting = parse_greeting(conn.recv(MAX_HELLO_FRAME))
             if greeting is None:
@@ -200,21 +232,14 @@ class Dialer:
                     f"the service at {self.where} is not a dpt store (unexpected greeting); "
                     "check MASTER_PORT"
                 )
-            if greeting.version != PROTOCOL_VERSION:
-                raise StoreAuthError(
-                    f"store at {self.where} speaks protocol version {greeting.version}, this "
-                    f"client {PROTOCOL_VERSION}: use the same dpt version on every rank"
-                )
-            if greeting.flags & FLAG_AUTH and self.secret is None:
-                raise StoreAuthError(
-                    f"store at {self.where} refused the connection: wrong or missing secret "
-                    f"({SECRET_ENV_VAR}): the server requires a shared secret and this client "
-                    "has none"
-                )
-            mac = secret_mac(self.secret, greeting.nonce) if self.secret else b""
-            conn.send(hello_payload(mac))
+            self._check_greeting(greeting)
+            proof = client_proof(self.secret, greeting.nonce, nonce) if self.secret else b""
+            conn.send(hello_payload(nonce, proof))
             reply = Reader(conn.recv(MAX_HELLO_REPLY_FRAME))
             status = reply.u8()
+            if status == Status.OK:
+                theirs = reply.blob(MAX_MAC_BYTES)
+                reply.end()
         except ProtocolError as exc:
             raise StoreError(
                 f"the service at {self.where} is not a dpt store ({exc}); check MASTER_PORT"
@@ -224,9 +249,44 @@ class Dialer:
             raise StoreConnectionError(
                 f"store at {self.where}: handshake failed ({str(exc) or 'connection closed'})"
             ) from exc
-        if status == Status.OK:
-            return conn
-        raise self._refusal(status, reply, secret_required=bool(greeting.flags & FLAG_AUTH))
+        if status != Status.OK:
+            raise self._refusal(status, reply, secret_required=bool(greeting.flags & FLAG_AUTH))
+        if self.secret is not None:
+            if not hmac.compare_digest(server_proof(self.secret, greeting.nonce, nonce), theirs):
+                raise StoreAuthError(
+                    f"store at {self.where} could not prove it knows the shared secret "
+                    f"({SECRET_ENV_VAR}): refusing to trust it. Another process may hold the "
+                    "port, or rank 0 has a different secret; give every rank the same one"
+                )
+            conn.seal = Seal(self.secret, greeting.nonce, nonce, server=False)
+        return conn
+
+    def _check_greeting(self, greeting: Greeting) -> None:
+        """Refuse a server of another version, or one whose wish for a secret does not match.
+
+        Raises:
+            StoreAuthError: as above.
+        """
+        if greeting.version != PROTOCOL_VERSION:
+            raise StoreAuthError(
+                f"store at {self.where} speaks protocol version {greeting.version}, this "
+                f"client {PROTOCOL_VERSION}: use the same dpt version on every rank"
+            )
+        wants_secret = bool(greeting.flags & FLAG_AUTH)
+        if wants_secret and self.secret is None:
+            raise StoreAuthError(
+                f"store at {self.where} refused the connection: wrong or missing secret "
+                f"({SECRET_ENV_VAR}): the server requires a shared secret and this client "
+                "has none"
+            )
+        if not wants_secret and self.secret is not None:
+            # Anyone can run a server that asks for nothing; it could not prove the secret.
+            raise StoreAuthError(
+                f"store at {self.where} does not ask for the shared secret, but this client "
+                f"has one ({SECRET_ENV_VAR}): refusing a server that cannot prove it knows "
+                "it. Another process may hold the port, or rank 0 runs without the secret; "
+                f"set {SECRET_ENV_VAR} to the same value on every rank"
+            )
 
     def _refusal(self, status: int, reply: Reader, *, secret_required: bool) -> StoreAuthError:
         """The error for a server's answer to HELLO other than OK."""

@@ -17,3 +17,7 @@ class StoreConnectionError(StoreError, ConnectionError):
 
 class StoreAuthError(StoreError):
     """The store refused this client: wrong or missing shared secret, or protocol mismatch."""
+
+
+class StoreLimitError(StoreError):
+    """The store is full (its key or byte limit); the request did nothing."""

@@ -1,7 +1,8 @@
 """The store server: one selector loop on a daemon thread serves every client.
 
 It owns the sockets, the handshake, and the requests that wait (GET/WAIT on a missing key);
-what each request does to the keys is in ``_actions``, the bytes on the wire in ``_wire``.
+what each request does to the keys is in ``_actions``, the bytes on the wire in ``_wire``, the
+caps that keep one client from exhausting the server in ``_limits``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from . import _actions
-from ._addresses import bind_address, family_of
+from ._addresses import bind_address, check_exposure, family_of
 from ._errors import StoreError
+from ._limits import (
+    HANDSHAKE_TIMEOUT,
+    MAX_BUFFERED_REQUEST_BYTES,
+    MAX_QUEUED_REPLY_BYTES,
+    limits_from_env,
+)
 from ._wire import (
     FLAG_AUTH,
     FRAME_HEADER_BYTES,
@@ -28,22 +35,24 @@ from ._wire import (
     MAX_HELLO_FRAME,
     MAX_MAC_BYTES,
     NONCE_BYTES,
-    OK_PAYLOAD,
     PROTOCOL_VERSION,
+    TAG_BYTES,
     U32,
     ErrorKind,
     Op,
     ProtocolError,
     Reader,
+    Seal,
+    client_proof,
     error_payload,
-    frame,
     greeting_payload,
-    secret_mac,
+    hello_ok_payload,
+    server_proof,
 )
 
 # Time a server waits for a new connection to finish the handshake before dropping it. Read
 # when a client connects (tests shorten it).
-_HANDSHAKE_TIMEOUT = 30.0
+_HANDSHAKE_TIMEOUT = HANDSHAKE_TIMEOUT
 _LISTEN_BACKLOG = 1024
 _RECV_BYTES = 1 << 20
 # How long close() waits for the loop's thread to finish closing every connection.
@@ -58,12 +67,15 @@ class _ClientConn:
         "authed",
         "closed",
         "closing",
+        "events",
         "nonce",
         "parked",
+        "queued",
         "rbuf",
+        "seal",
         "sock",
+        "stalled",
         "wbuf",
-        "writing",
     )
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
@@ -71,8 +83,13 @@ class _ClientConn:
         self.addr = addr
         self.rbuf = bytearray()
         self.wbuf: deque[memoryview] = deque()
-        self.writing = False  # registered for EVENT_WRITE: wbuf did not fit the socket
+        self.queued = 0  # bytes in wbuf
+        # What the selector watches: READ unless rbuf must not grow, WRITE while wbuf did
+        # not fit the socket; 0 (unregistered) when neither.
+        self.events = selectors.EVENT_READ
+        self.stalled = False  # requests wait in rbuf until its replies are read
         self.authed = False
+        self.seal: Seal | None = None
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.parked: _actions.Parked | None = None
         self.closing = False  # send what is queued, then close
@@ -99,13 +116,19 @@ class Server:
         """Bind and start serving on a daemon thread.
 
         Raises:
-            StoreError: ``host`` is not this machine's, or the port cannot be bound.
+            StoreError: ``host`` is not this machine's, it is the wildcard address and there
+                is no secret, a limit variable is invalid, or the port cannot be bound.
         """
+        limits = limits_from_env()
         self.bind_host = bind_address(host)
+        check_exposure(self.bind_host, host, secret)
         self._listener = _listen(self.bind_host, port)
         self.port: int = self._listener.getsockname()[1]
         self._secret = secret
-        self._data: _actions.Data = {}
+        self._max_pending = limits.max_pending
+        # Connections still in the handshake, oldest first.
+        self._pending: OrderedDict[_ClientConn, None] = OrderedDict()
+        self._data = _actions.Data(limits.max_keys, limits.max_bytes)
         self._waiters: dict[str, set[_ClientConn]] = {}
         self._timers: list[_Timer] = []
         self._timer_seq = 0
@@ -184,13 +207,23 @@ class Server:
                 sock, addr = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError:
-                # Out of file descriptors or similar: back off rather than spin.
+            except OSError as exc:
+                # Out of file descriptors: free one held by a peer that has not proven itself;
+                # else (or another error) back off rather than spin.
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
+                    self._close_conn(next(iter(self._pending)))
+                    continue
                 time.sleep(0.05)
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _ClientConn(sock, f"{addr[0]}:{addr[1]}")
+            # Full of peers that have not proven themselves: drop the oldest. A real rank
+            # answers within a round trip (and retries if dropped); an idle flood cannot
+            # hold the door shut, nor take the descriptors real ranks need.
+            while len(self._pending) >= self._max_pending:
+                self._close_conn(next(iter(self._pending)))
+            self._pending[conn] = None
             self._conns.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             flags = FLAG_AUTH if self._secret else 0
@@ -203,12 +236,14 @@ class Server:
         conn.closed = True
         self._unpark(conn)
         self._conns.discard(conn)
+        self._pending.pop(conn, None)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
         conn.sock.close()
         conn.wbuf.clear()
+        conn.queued = 0
         conn.rbuf = bytearray()
 
     def _drop(self, conn: _ClientConn, kind: ErrorKind, message: str) -> None:
@@ -224,7 +259,10 @@ class Server:
     def _send(self, conn: _ClientConn, payload: bytes) -> None:
         if conn.closed:
             return
-        conn.wbuf.append(memoryview(frame(payload)))
+        tag = conn.seal.tag(payload) if conn.seal is not None else b""
+        data = U32.pack(len(payload) + len(tag)) + payload + tag
+        conn.wbuf.append(memoryview(data))
+        conn.queued += len(data)
         self._flush(conn)
 
     def _flush(self, conn: _ClientConn) -> None:
@@ -237,17 +275,39 @@ class Server:
             except OSError:
                 self._close_conn(conn)
                 return
+            conn.queued -= n
             if n < len(chunk):
                 conn.wbuf[0] = chunk[n:]
                 break
             conn.wbuf.popleft()
-        want_write = bool(conn.wbuf)
-        if want_write != conn.writing:
-            conn.writing = want_write
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
-            self._sel.modify(conn.sock, events, conn)
         if not conn.wbuf and conn.closing:
             self._close_conn(conn)
+            return
+        if conn.stalled and conn.queued <= MAX_QUEUED_REPLY_BYTES:
+            conn.stalled = False  # its replies are being read: serve what it sent meanwhile
+            self._runnable.append(conn)
+        self._update_events(conn)
+
+    def _update_events(self, conn: _ClientConn) -> None:
+        """Watch for writability while replies wait, and stop reading from a connection
+        whose requests cannot be served now once it has buffered enough of them."""
+        if conn.closed:
+            return
+        blocked = conn.parked is not None or conn.stalled
+        events = 0
+        if not blocked or len(conn.rbuf) < MAX_BUFFERED_REQUEST_BYTES:
+            events |= selectors.EVENT_READ
+        if conn.wbuf:
+            events |= selectors.EVENT_WRITE
+        if events == conn.events:
+            return
+        if not events:  # a selector cannot watch for nothing
+            self._sel.unregister(conn.sock)
+        elif not conn.events:
+            self._sel.register(conn.sock, events, conn)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
 
     def _on_readable(self, conn: _ClientConn) -> None:
         try:
@@ -266,23 +326,36 @@ class Server:
         self._process(conn)
 
     def _process(self, conn: _ClientConn) -> None:
-        """Handle every complete frame buffered for ``conn`` (stops while one is parked)."""
+        """Handle every complete frame buffered for ``conn``: it stops while one is parked,
+        or while more replies than ``MAX_QUEUED_REPLY_BYTES`` wait unread."""
+        self._serve_frames(conn)
+        self._update_events(conn)
+
+    def _serve_frames(self, conn: _ClientConn) -> None:
         while not conn.closed and not conn.closing and conn.parked is None:
+            if conn.queued > MAX_QUEUED_REPLY_BYTES:
+                conn.stalled = True  # _flush resumes it
+                return
             rbuf = conn.rbuf
             if len(rbuf) < FRAME_HEADER_BYTES:
                 return
             (n,) = U32.unpack_from(rbuf, 0)
-            limit = MAX_FRAME_BYTES if conn.authed else MAX_HELLO_FRAME
-            if n == 0 or n > limit:
-                self._drop(conn, ErrorKind.MALFORMED, f"frame length {n} outside 1..{limit}")
+            extra = TAG_BYTES if conn.seal is not None else 0
+            limit = (MAX_FRAME_BYTES if conn.authed else MAX_HELLO_FRAME) + extra
+            if n <= extra or n > limit:
+                message = f"frame length {n} outside {extra + 1}..{limit}"
+                self._drop(conn, ErrorKind.MALFORMED, message)
                 return
             end = FRAME_HEADER_BYTES + n
             if len(rbuf) < end:
                 return
             with memoryview(rbuf) as view:
-                body = bytes(view[FRAME_HEADER_BYTES:end])
+                whole = bytes(view[FRAME_HEADER_BYTES:end])
             del rbuf[:end]
+            body = memoryview(whole)[: n - extra]
             try:
+                if conn.seal is not None:
+                    conn.seal.check(body, memoryview(whole)[n - extra :])
                 if conn.authed:
                     self._handle(conn, Reader(body))
                 else:
@@ -302,22 +375,30 @@ class Server:
         if op != Op.HELLO:
             raise ProtocolError(f"expected HELLO (0x{Op.HELLO:02x}) first, got opcode 0x{op:02x}")
         version = r.u8()
-        mac = r.blob(MAX_MAC_BYTES)
-        r.end()
-        if version != PROTOCOL_VERSION:
+        if version != PROTOCOL_VERSION:  # checked first: other versions' HELLOs differ
             self._drop(
                 conn,
                 ErrorKind.REFUSED,
                 f"protocol version {version} not supported (server speaks {PROTOCOL_VERSION})",
             )
             return
-        if self._secret is not None and not hmac.compare_digest(
-            secret_mac(self._secret, conn.nonce), mac
-        ):
-            self._drop(conn, ErrorKind.REFUSED, "wrong or missing secret")
-            return
+        client_nonce = r.blob(NONCE_BYTES)
+        proof = r.blob(MAX_MAC_BYTES)
+        r.end()
+        if len(client_nonce) != NONCE_BYTES:
+            raise ProtocolError(f"client nonce of {len(client_nonce)} bytes, not {NONCE_BYTES}")
+        theirs = b""
+        if self._secret is not None:
+            expected = client_proof(self._secret, conn.nonce, client_nonce)
+            if not hmac.compare_digest(expected, proof):
+                self._drop(conn, ErrorKind.REFUSED, "wrong or missing secret")
+                return
+            theirs = server_proof(self._secret, conn.nonce, client_nonce)
         conn.authed = True
-        self._send(conn, OK_PAYLOAD)
+        self._pending.pop(conn, None)
+        self._send(conn, hello_ok_payload(theirs))
+        if self._secret is not None:  # every later frame is sealed, both ways
+            conn.seal = Seal(self._secret, conn.nonce, client_nonce, server=True)
 
     def _handle(self, conn: _ClientConn, r: Reader) -> None:
         outcome = _actions.execute(self._data, r)

@@ -15,9 +15,27 @@ Every message in either direction is a *frame*: a 4-byte big-endian unsigned pay
 
 Handshake. On accept the server sends ``HELLO = b"DPTS" u8 version u8 flags nonce[32]``
 (flags bit 0: a secret is required). The client answers with the request
-``0x01 u8 version bytes mac`` where ``mac`` is HMAC-SHA256(secret, nonce), or empty without a
-secret. The server replies ``OK`` and the connection is ready, or an ``ERROR`` frame and closes.
-Until then a peer may only send frames of at most ``MAX_HELLO_FRAME`` bytes.
+``0x01 u8 version bytes client_nonce[32] bytes proof``; the server replies
+``0x00 bytes server_proof`` and the connection is ready, or an ``ERROR`` frame and closes.
+With a secret ``S`` and the two nonces ``sn`` (server's) and ``cn`` (client's)::
+
+    proof        = HMAC-SHA256(S, b"dpt-store v2 client" + sn + cn)
+    server_proof = HMAC-SHA256(S, b"dpt-store v2 server" + sn + cn)
+    session key  = HMAC-SHA256(S, b"dpt-store v2 session" + sn + cn)
+
+Without a secret both proofs are empty. The server checks the client's proof, the client the
+server's: a client with a secret refuses a server that does not ask for it or cannot prove
+it (anyone could have bound the port), and the direction label keeps a proof reflected back
+at its sender from passing. The secret never crosses the wire. Until the handshake is done a
+peer may only send frames of at most ``MAX_HELLO_FRAME`` bytes.
+
+Sealed frames. With a secret, every later frame's payload is followed by a 32-byte tag,
+``HMAC-SHA256(session key, direction + u64 seq + payload)`` (direction ``b"C"`` from the
+client, ``b"S"`` from the server; ``seq`` counts that direction's frames from 0), and the
+length prefix counts it. A frame altered, dropped, replayed or reordered by someone between
+the two ends fails its tag: the server drops that connection, the client raises. (Frames
+are authenticated, not encrypted: the secret protects who may join and what they are told,
+not the privacy of the keys.)
 
 Requests are ``u8 opcode`` + fields; each gets exactly one reply, in order:
 
@@ -38,8 +56,10 @@ op    name          request fields              OK reply fields
 A reply starts with a status byte: ``0x00 OK`` + the fields above; ``0x01 TIMEOUT`` + ``keys``
 (those still missing; GET and WAIT only); ``0x02 ERROR`` + ``u8 kind`` + ``bytes`` UTF-8
 message, where kind is 1 (malformed request: the server then closes the connection), 2
-(authentication or protocol version refused: closes too) or 3 (bad value, e.g. ADD on a
-value that is not an integer: the connection stays usable). A timeout of ``inf`` waits
+(authentication or protocol version refused: closes too), 3 (bad value, e.g. ADD on a
+value that is not an integer: the connection stays usable) or 4 (the store is full: too
+many keys or bytes, see ``_limits``; the request did nothing and the connection stays
+usable). A timeout of ``inf`` waits
 forever; negative or NaN timeouts are malformed. Any malformed frame (length 0 or too large,
 unknown opcode, truncated or trailing bytes, keys that are not UTF-8) makes the server drop
 that one connection; it keeps serving all others.
@@ -54,7 +74,8 @@ import math
 import struct
 from typing import NamedTuple
 
-PROTOCOL_VERSION = 1
+# 2: mutual challenge-response and sealed frames (1 had the client prove the secret only).
+PROTOCOL_VERSION = 2
 MAGIC = b"DPTS"
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
@@ -66,9 +87,11 @@ MAX_FRAME_BYTES = 2 * MAX_VALUE_BYTES + (1 << 20)
 MAX_HELLO_FRAME = 256
 # The server's answer to HELLO: OK, or an ERROR with a short message.
 MAX_HELLO_REPLY_FRAME = 4 * MAX_HELLO_FRAME
-# A HELLO's mac field: HMAC-SHA256 needs 32 bytes; anything over this is malformed.
+# A HELLO's proof field: HMAC-SHA256 needs 32 bytes; anything over this is malformed.
 MAX_MAC_BYTES = 64
 NONCE_BYTES = 32
+# The tag that follows every sealed frame's payload (HMAC-SHA256).
+TAG_BYTES = 32
 # Greeting flags.
 FLAG_AUTH = 0x01  # the server requires the shared secret
 
@@ -112,6 +135,7 @@ class ErrorKind(enum.IntEnum):
     MALFORMED = 1  # the server closes the connection
     REFUSED = 2  # authentication or protocol version refused; the server closes
     VALUE = 3  # a bad value (ADD on a non-integer, overflow); the connection stays usable
+    LIMIT = 4  # the store is full (keys or bytes); the connection stays usable
 
 
 class ProtocolError(Exception):
@@ -159,7 +183,7 @@ class Reader:
 
     __slots__ = ("buf", "pos")
 
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: bytes | memoryview) -> None:
         self.buf = buf
         self.pos = 0
 
@@ -167,7 +191,7 @@ class Reader:
         end = self.pos + n
         if end > len(self.buf):
             raise ProtocolError(f"truncated frame: wanted {n} bytes at offset {self.pos}")
-        out = self.buf[self.pos : end]
+        out = bytes(self.buf[self.pos : end])  # a copy, also when reading a memoryview
         self.pos = end
         return out
 
@@ -259,11 +283,68 @@ def parse_greeting(payload: bytes) -> Greeting | None:
     return Greeting(version, flags, nonce)
 
 
-def hello_payload(mac: bytes) -> bytes:
-    """The client's answer to the greeting: ``HELLO``, its version, and the ``mac``."""
-    return Writer(Op.HELLO).u8(PROTOCOL_VERSION).blob(mac).payload()
+def hello_payload(client_nonce: bytes, proof: bytes) -> bytes:
+    """The client's answer to the greeting: ``HELLO``, its version, its nonce, its proof."""
+    return Writer(Op.HELLO).u8(PROTOCOL_VERSION).blob(client_nonce).blob(proof).payload()
 
 
-def secret_mac(secret: bytes, nonce: bytes) -> bytes:
-    """The proof of ``secret`` for the greeting's ``nonce``: HMAC-SHA256(secret, nonce)."""
-    return hmac.new(secret, nonce, hashlib.sha256).digest()
+def hello_ok_payload(server_proof: bytes) -> bytes:
+    """The server's acceptance of a HELLO: ``OK`` and its own proof of the secret."""
+    return Writer(Status.OK).blob(server_proof).payload()
+
+
+def _derive(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def client_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """What the client sends to prove ``secret`` (see the handshake above)."""
+    return _derive(secret, b"dpt-store v2 client", server_nonce, client_nonce)
+
+
+def server_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """What the server sends to prove ``secret``; differs from the client's by its label."""
+    return _derive(secret, b"dpt-store v2 server", server_nonce, client_nonce)
+
+
+class Seal:
+    """Tags a connection's outgoing frames and checks its incoming ones (see "Sealed frames").
+
+    One per connection end, made once both proofs checked out; ``server`` says which end.
+    """
+
+    __slots__ = ("_in", "_key", "_out", "received", "sent")
+
+    def __init__(
+        self, secret: bytes, server_nonce: bytes, client_nonce: bytes, *, server: bool
+    ) -> None:
+        self._key = _derive(secret, b"dpt-store v2 session", server_nonce, client_nonce)
+        self._out, self._in = (b"S", b"C") if server else (b"C", b"S")
+        self.sent = 0
+        self.received = 0
+
+    def _tag(self, direction: bytes, seq: int, payload: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._key, direction + struct.pack(">Q", seq), hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
+    def tag(self, payload: bytes | memoryview) -> bytes:
+        """The tag to send after the next outgoing ``payload``."""
+        tag = self._tag(self._out, self.sent, payload)
+        self.sent += 1
+        return tag
+
+    def check(self, payload: bytes | memoryview, tag: bytes | memoryview) -> None:
+        """Check the next incoming frame's ``tag``.
+
+        Raises:
+            ProtocolError: the tag is wrong: the frame was altered, dropped, replayed or
+                reordered on the way.
+        """
+        expected = self._tag(self._in, self.received, payload)
+        self.received += 1
+        if not hmac.compare_digest(expected, bytes(tag)):
+            raise ProtocolError(
+                "frame failed its integrity check (wrong tag): something between the two "
+                "ends altered, dropped or replayed it"
+            )

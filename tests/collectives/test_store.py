@@ -488,13 +488,17 @@ def test_raw_wrong_mac_gets_error_frame_and_close(monkeypatch: pytest.MonkeyPatc
     with TCPStore(LOOPBACK, 0, is_server=True, secret=b"s3cret") as s:
         with RawPeer(s.port) as raw:
             assert raw.flags & 1  # auth required
-            raw.send_frame(hello(hmac.new(b"guess", raw.nonce, hashlib.sha256).digest()))
+            raw.send_frame(hello(proof(b"guess", b"client", raw.nonce)))
             reply = raw.recv_frame()
             assert reply[0] == 0x02 and b"wrong or missing secret" in reply
             assert raw.closed_by_server()
+        with RawPeer(s.port) as raw:  # the server's own proof, reflected, is no client's
+            raw.send_frame(hello(proof(b"s3cret", b"server", raw.nonce)))
+            assert b"wrong or missing secret" in raw.recv_frame()
         with RawPeer(s.port) as raw:  # a correct answer from a raw client is accepted
-            raw.send_frame(hello(hmac.new(b"s3cret", raw.nonce, hashlib.sha256).digest()))
-            assert raw.recv_frame() == b"\x00"
+            raw.send_frame(hello(proof(b"s3cret", b"client", raw.nonce)))
+            # ... and the server proves the secret back, bound to both nonces.
+            assert raw.recv_frame() == b"\x00" + blob(proof(b"s3cret", b"server", raw.nonce))
         assert s.num_keys() == 0
 
 
@@ -510,18 +514,25 @@ def test_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             assert c.get("k") == b"v"
 
 
-REFUSALS: dict[str, tuple[int, int, str, str]] = {
-    # name: (greeting flags, error kind, server's message, what the client's error says)
-    "refused-secret": (1, 2, "no", "wrong or missing secret (DPT_STORE_SECRET)"),
-    "refused-version": (0, 2, "protocol version 1 not supported", "version 1 not supported"),
-    "malformed-naming-secret": (1, 1, "secret field truncated", ": secret field truncated"),
+REFUSALS: dict[str, tuple[int, int, str, str, bytes | None]] = {
+    # name: (greeting flags, error kind, server's message, what the client's error says,
+    # the client's secret)
+    "refused-secret": (1, 2, "no", "wrong or missing secret (DPT_STORE_SECRET)", b"s3cret"),
+    "refused-version": (0, 2, "protocol version 1 not supported", "version 1 not supported", None),
+    "malformed-naming-secret": (
+        1,
+        1,
+        "secret field truncated",
+        ": secret field truncated",
+        b"s3cret",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_handshake_refusal_is_classified_by_its_kind(name: str) -> None:
     # A scripted server refuses the HELLO: the client reads the error kind, not the message.
-    flags, kind, message, expected = REFUSALS[name]
+    flags, kind, message, expected, secret = REFUSALS[name]
 
     def refuse(conn: socket.socket) -> None:
         greeting = b"DPTS" + bytes([_store.PROTOCOL_VERSION, flags]) + b"\0" * 32
@@ -530,7 +541,7 @@ def test_handshake_refusal_is_classified_by_its_kind(name: str) -> None:
         conn.sendall(blob(b"\x02" + bytes([kind]) + blob(message.encode())))
 
     with scripted_server(refuse) as port, pytest.raises(StoreAuthError) as info:
-        TCPStore(LOOPBACK, port, is_server=False, secret=b"s3cret", connect_timeout=5)
+        TCPStore(LOOPBACK, port, is_server=False, secret=secret, connect_timeout=5)
     msg = str(info.value)
     assert "refused the connection" in msg and expected in msg
     if name != "refused-secret":
@@ -573,7 +584,7 @@ class RawPeer:
 
     def authenticate(self) -> None:
         self.send_frame(hello(b""))
-        assert self.recv_frame() == b"\x00"
+        assert self.recv_frame() == b"\x00" + blob(b"")  # OK, and no proof without a secret
 
     def closed_by_server(self) -> bool:
         """True once the server has closed this connection (after any error frame)."""
@@ -587,8 +598,20 @@ class RawPeer:
             return False
 
 
-def hello(mac: bytes) -> bytes:
-    return bytes([0x01, _store.PROTOCOL_VERSION]) + struct.pack(">I", len(mac)) + mac
+# The raw client's nonce in every HELLO (a real client draws a fresh one).
+CLIENT_NONCE = bytes(range(32))
+
+
+def hello(proof: bytes) -> bytes:
+    """HELLO: opcode, version, the client's nonce, its proof of the secret."""
+    return bytes([0x01, _store.PROTOCOL_VERSION]) + blob(CLIENT_NONCE) + blob(proof)
+
+
+def proof(secret: bytes, side: bytes, server_nonce: bytes) -> bytes:
+    """What ``side`` (b"client" or b"server") proves the secret with: an HMAC bound to its
+    direction and to both nonces."""
+    label = b"dpt-store v2 " + side
+    return hmac.new(secret, label + server_nonce + CLIENT_NONCE, hashlib.sha256).digest()
 
 
 def blob(data: bytes) -> bytes:
