@@ -112,7 +112,7 @@ class SetupWatch:
                     CollectiveTimeoutError,
                     self.op,
                     self.seq,
-                    f"ranks {missing} never {what} within {self.info.timeout:g} s (every "
+                    f"ranks {missing} did not {what} within {self.info.timeout:g} s (every "
                     "member on this host is alive: is a rank stuck, or skipping this call?)",
                 )
             pause = min(pause * 2, _SLICE_MAX)

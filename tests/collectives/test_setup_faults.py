@@ -9,6 +9,10 @@ group timeout is long here, so passing the time bound proves no timeout was invo
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +21,7 @@ import pytest
 
 from tests.collectives.expect import results
 from tests.collectives.harness import RankPool, leaked_segments
+from tests.collectives.test_nccl import fake  # noqa: F401  (the fake CuPy and NCCL)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,3 +100,51 @@ def test_clean_setup_still_works(pools: list[RankPool]) -> None:
     pool = RankPool.launch("cpu", 3, timeout=LONG)
     pools.append(pool)
     assert pool.run("setup_bodies:after_setup_is_usable", {"size": 5000}) == [6.0] * 3
+
+
+# ---------------------------------------------------------------------------- nccl (fake)
+def _dead_pid() -> int:
+    """The pid of a process that has ended (and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.usefixtures("fake")
+@pytest.mark.parametrize("dead", [0, 1])
+def test_nccl_setup_names_a_dead_peer(dead: int) -> None:
+    """The nccl backend's setup waits (rank 1 waiting for the unique id of a dead rank 0;
+    rank 0 polling ncclCommInitRankConfig while rank 1 is dead) fail fast, naming the rank.
+    One real rank in this process; the peer is a rendezvous record with a dead pid."""
+    from collectives._backend import GroupInfo
+    from collectives._errors import PeerFailureError
+    from collectives._store import TCPStore
+    from collectives.backends.nccl import NcclBackend
+
+    me = 1 - dead
+    pid = _dead_pid()
+    store = TCPStore("127.0.0.1", 0, is_server=True, timeout=LONG)
+    try:
+        store.set(f"init/rank/{me}", f"2 {os.getpid()} {platform.node()}")
+        store.set(f"init/rank/{dead}", f"2 {pid} {platform.node()}")
+        info = GroupInfo(
+            rank=me,
+            size=2,
+            ranks=(0, 1),
+            global_rank=me,
+            name="g1-test",
+            store=store,
+            timeout=LONG,
+        )
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailureError) as err:
+            NcclBackend(info)
+        took = time.monotonic() - t0
+    finally:
+        store.close()
+    msg = str(err.value)
+    assert msg.startswith(f"[rank {me}] new_group"), msg
+    assert f"rank {dead} (pid {pid}) is gone" in msg, msg
+    what = "publish the NCCL unique id" if dead == 0 else "finish ncclCommInitRankConfig"
+    assert what in msg, msg
+    assert took < FAST, took
