@@ -216,17 +216,19 @@ class PeerBoard:
         return notice, dict(self._departed), dict(self._processes)
 
 
-def last_words(boards: list[PeerBoard], global_rank: int) -> str | None:
-    """The failure ``global_rank`` published on any of ``boards`` (groups this process shares
-    with it) because an uncaught exception ends its process, or None; setup waits quote it."""
+def last_words(boards: list[PeerBoard]) -> dict[int, str]:
+    """Global rank -> the failure it published on one of ``boards`` (groups this process
+    shares with it) because an uncaught exception ends its process; setup waits quote it.
+    One or two store requests per board."""
+    said: dict[int, str] = {}
     for board in boards:
         store = board.store
-        if store is None or global_rank not in board.info.ranks:
+        if store is None:
             continue
         key = board.key("abort")
         with contextlib.suppress(Exception):
             if store.check([key]):
                 notice = AbortNotice.decode(store.get(key, timeout=1.0))
-                if notice.rank == global_rank and f"] {UNCAUGHT}" in notice.message:
-                    return notice.message
-    return None
+                if notice.rank >= 0 and f"] {UNCAUGHT}" in notice.message:
+                    said.setdefault(notice.rank, notice.message)
+    return said

@@ -37,7 +37,10 @@ from ._proc import pid_alive
 __all__ = ["SetupWatch", "setup_op"]
 
 _SLICE_MIN, _SLICE_MAX = 0.02, 0.25  # seconds a slice of the store wait lasts (doubling)
-_LEFT_EVERY = 1.0  # how often the store is asked which peers left (one request per peer)
+# How often the store is asked which peers left (one request per peer): every second, and
+# less often in large groups, so that a setup of n ranks costs the store O(16 n) requests/s.
+_LEFT_EVERY = 1.0
+_LEFT_PEERS_PER_S = 16
 _STORE_HOST = 0  # global rank whose process hosts the TCP store (see _api._rendezvous)
 _EXIT_GRACE = 1.0  # a killed process closes its sockets a moment before it is reaped
 
@@ -45,7 +48,7 @@ _EXIT_GRACE = 1.0  # a killed process closes its sockets a moment before it is r
 # process never changes during a store's life, so each record is read once per process.
 _PIDS: weakref.WeakKeyDictionary[Any, dict[int, int | None]] = weakref.WeakKeyDictionary()
 
-LastWords = Callable[[int], "str | None"]
+LastWords = Callable[[], "dict[int, str]"]
 
 
 def setup_op(info: GroupInfo) -> str:
@@ -60,8 +63,8 @@ class SetupWatch:
         info: the group being set up (its ``store`` is waited on).
         op: the call the user made (``"new_group"``, ``"alloc"``...), for messages.
         seq: the call's sequence number in the group, if it has one (``alloc``).
-        last_words: ``f(global_rank)``: the reason that rank gave for ending (an uncaught
-            exception it reported), or None; a backend's own failure records.
+        last_words: ``f()``: global rank -> the reason it gave for ending (an uncaught
+            exception it reported); a backend's own failure records.
     """
 
     def __init__(
@@ -145,11 +148,12 @@ class SetupWatch:
         info = self.info
         during = f" while this rank waited for it to {what}" if what else ""
         pids = self._pids()
+        last = self._last_words() if self._last_words is not None else {}
         for r, g in enumerate(info.ranks):
             if r == info.rank:
                 continue
             pid = pids.get(g)
-            words = self._last_words(g) if self._last_words is not None else None
+            words = last.get(g)
             if words is not None:
                 shown = f" (pid {pid})" if pid is not None else ""
                 raise self._error(f"rank {g}{shown} failed: {words}{during}")
@@ -159,7 +163,7 @@ class SetupWatch:
                 )
         now = time.monotonic()
         if now >= self._next_left:
-            self._next_left = now + _LEFT_EVERY
+            self._next_left = now + _LEFT_EVERY * max(1.0, info.size / _LEFT_PEERS_PER_S)
             for r, g in enumerate(info.ranks):
                 if r != info.rank and self._has(f"world/left/{g}"):
                     raise self._error(

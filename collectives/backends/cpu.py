@@ -503,16 +503,17 @@ class CpuBackend(Backend):
 _LIVE: set[CpuBackend] = set()
 
 
-def _last_words(global_rank: int) -> str | None:
-    """The reason ``global_rank`` gave, in a group this process shares with it, for ending
-    (an uncaught exception: see below), or None. A setup wait quotes it."""
+def _last_words() -> dict[int, str]:
+    """Global rank -> the reason it gave, in a group this process shares with it, for ending
+    (an uncaught exception: see below). A setup wait quotes it."""
+    said: dict[int, str] = {}
     for b in list(_LIVE):
         for q, view in enumerate(b.views):
-            if q != b.rank and b.info.ranks[q] == global_rank and view.hdr[W_ABORT]:
+            if q != b.rank and view.hdr[W_ABORT]:
                 reason = view.abort_reason()
                 if reason.startswith(_UNCAUGHT):
-                    return reason
-    return None
+                    said.setdefault(b.info.ranks[q], reason)
+    return said
 
 
 def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:

@@ -7,7 +7,7 @@ every rank starts a *non-blocking* ``ncclCommInitRankConfig`` and polls
 default group's communicator (``ncclCommSplit``, NCCL 2.18+) or, on older libraries, makes a
 fresh unique id for the members.
 
-A collective, issued from any thread:
+A collective, issued from the group's thread (see ``ProcessGroup.bind_thread``):
 
 1. records an event on the caller's current stream and makes the group's stream wait for it
    (the inputs are ready when the caller's earlier work is);
@@ -575,9 +575,9 @@ def _probe() -> str | None:
 _LIVE: set[NcclBackend] = set()
 
 
-def _last_words(global_rank: int) -> str | None:
-    """What ``global_rank`` published, in a group this process shares with it, on ending."""
-    return last_words([b.board for b in list(_LIVE)], global_rank)
+def _last_words() -> dict[int, str]:
+    """What ranks published, in groups this process shares with them, on ending."""
+    return last_words([b.board for b in list(_LIVE)])
 
 
 def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
