@@ -7,7 +7,8 @@ peer died, and then name a key. :class:`SetupWatch` waits in short slices and be
 looks at the signals the collectives watch:
 
 * the pid of every member on this host, from the record ``init/rank/<r>`` ("world_size pid
-  node") that ``init_process_group`` wrote for every rank: a pid that is gone names the rank;
+  node [pid namespace]") that ``init_process_group`` wrote for every rank: a pid that is gone
+  names the rank;
 * ``world/left/<r>``: the rank destroyed its default group (it left the job);
 * a backend's own failure record (``last_words``): e.g. the reason a rank published when an
   uncaught exception ended it, quoted in the error;
@@ -23,6 +24,7 @@ naming the ranks that never arrived.
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 import weakref
@@ -34,7 +36,7 @@ from .._errors import CollectiveTimeoutError, PeerFailureError
 from .._store import StoreError
 from ._proc import pid_alive
 
-__all__ = ["SetupWatch", "setup_op"]
+__all__ = ["SetupWatch", "pid_namespace", "setup_op"]
 
 _SLICE_MIN, _SLICE_MAX = 0.02, 0.25  # seconds a slice of the store wait lasts (doubling)
 # How often the store is asked which peers left (one request per peer): every second, and
@@ -210,6 +212,22 @@ class SetupWatch:
             if not self.store.check([key]):
                 return None  # a store not made by init_process_group (tests, thread ranks)
             fields = self.store.get(key, timeout=1.0).decode().split()
-            return int(fields[1]) if len(fields) >= 3 and fields[2] == node else None
-        except (StoreError, ValueError, UnicodeDecodeError):
+        except (StoreError, UnicodeDecodeError):
             return None
+        # A pid means the same process to us only in our pid namespace: an optional fourth
+        # field names the writer's; without it, the same node name must do (containers that
+        # share a host name but not a pid namespace would need that field).
+        if len(fields) < 3 or fields[2] != node or fields[3:4] not in ([], [pid_namespace()]):
+            return None
+        try:
+            return int(fields[1])
+        except ValueError:
+            return None
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``), or ``"-"`` where unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"

@@ -148,3 +148,35 @@ def test_nccl_setup_names_a_dead_peer(dead: int) -> None:
     what = "publish the NCCL unique id" if dead == 0 else "finish ncclCommInitRankConfig"
     assert what in msg, msg
     assert took < FAST, took
+
+
+def test_pids_are_trusted_only_from_this_host_and_pid_namespace() -> None:
+    """A rendezvous record's pid is checked only when it means the same process here: same
+    node name and (when the record names one) the same pid namespace."""
+    from collectives._backend import GroupInfo
+    from collectives._store import TCPStore
+    from collectives.backends._setup_wait import SetupWatch, pid_namespace
+
+    node, ns = platform.node(), pid_namespace()
+    records = {
+        1: f"5 101 {node}",  # the current format: node name only
+        2: f"5 102 {node} {ns}",
+        3: f"5 103 {node} pid:[1]",  # another container on a host of the same name
+        4: "5 104 elsewhere",
+    }
+    store = TCPStore("127.0.0.1", 0, is_server=True, timeout=LONG)
+    try:
+        for g, rec in records.items():
+            store.set(f"init/rank/{g}", rec)
+        info = GroupInfo(
+            rank=0,
+            size=5,
+            ranks=(0, 1, 2, 3, 4),
+            global_rank=0,
+            name="g1",
+            store=store,
+            timeout=LONG,
+        )
+        assert SetupWatch(info, "new_group")._pids() == {1: 101, 2: 102}
+    finally:
+        store.close()
