@@ -28,6 +28,7 @@ from ._types import DTYPE_CODES, SUPPORTED_NAMES, ReduceOp
 __all__ = ["NonMemberGroup", "ProcessGroup"]
 
 _MAX_OBJECT_BYTES = 64 << 20
+_get_ident = threading.get_ident  # the owner check on every call: one C call and a compare
 _REDUCIBLE_KINDS = "iuf"
 
 
@@ -60,6 +61,10 @@ class ProcessGroup:
         self._seq = 0
         self._p2p: dict[tuple[str, int], int] = {}
         self._lock = threading.RLock()
+        # The one thread that issues this group's calls (see _not_owner): the creator, or
+        # the thread given the group with bind_thread(). Checked by ident, first thing.
+        self._owner_thread: threading.Thread = threading.current_thread()
+        self._owner = _get_ident()
 
     # ------------------------------------------------------------------ identity
     @property
@@ -194,10 +199,12 @@ class ProcessGroup:
     def _issue(self, req: Request, async_op: bool, finalize: Callable[[], Any]) -> Any:
         """Number ``req`` and queue it, then wait for it unless ``async_op``.
 
-        Numbering and queueing happen under the group's lock, so that queue order equals
-        sequence order when several threads issue collectives on one group (each rank then
-        sees the same order). A blocking call that runs inline holds it while it runs.
+        Only the group's thread may issue (see :meth:`bind_thread`): calls of two threads
+        could reach the ranks in different orders. Numbering and queueing happen under the
+        group's lock; a blocking call that runs inline holds it while it runs.
         """
+        if _get_ident() != self._owner:
+            self._not_owner(req.op, req.peer if req.op in P2P_OPS else None)
         with self._lock:
             if req.op in P2P_OPS:
                 key = (req.op, req.peer)  # send and recv are numbered per peer
@@ -211,6 +218,47 @@ class ProcessGroup:
         if async_op:
             return work
         return work.wait()
+
+    # ------------------------------------------------------------------ threads
+    def bind_thread(self, thread: threading.Thread | None = None) -> None:
+        """Give the group to ``thread`` (default: the calling thread), which alone issues its
+        calls from now on; until then the thread that created the group does.
+
+        Calls of two threads on one group could reach the ranks in different orders, and a
+        same-shaped call of thread A on one rank would then meet thread B's on another and
+        silently mix their data; so a call from any other thread raises RuntimeError (it
+        takes no sequence number: the group stays usable). Give each thread its own group
+        (``new_group``, created in the same order on every rank) and bind it to its thread,
+        here or before the thread starts. Work handles may be waited on from any thread.
+        """
+        with self._lock:
+            target = thread if thread is not None else threading.current_thread()
+            self._owner_thread = target
+            # A thread not started yet has no ident: _not_owner takes it on its first call.
+            self._owner = target.ident if target.ident is not None else -1
+
+    def _not_owner(self, op: str, peer: int | None) -> None:
+        """A call from a thread that is not the group's: take it over if it was given this
+        group before it started (bind_thread), else refuse it, saying who owns the group."""
+        me = threading.current_thread()
+        with self._lock:
+            owner = self._owner_thread
+            if owner is me:
+                self._owner = _get_ident()
+                return
+            seq = self._seq + 1 if peer is None else self._p2p.get((op, peer), 0) + 1
+            state = "" if owner.is_alive() else ", which has ended"
+            raise RuntimeError(
+                f"{where(self.info.global_rank, op, seq, self.info.describe())}: called from "
+                f"thread {me.name!r} (ident {me.ident}), but the group belongs to thread "
+                f"{owner.name!r} (ident {owner.ident}{state}): the thread that created it or "
+                "was given it with bind_thread(). Calls of two threads on one group can reach "
+                "the ranks in different orders and silently mix the threads' data, so one "
+                "thread issues a group's calls: use one group per thread (new_group(...), "
+                "created in the same order on every rank, then group.bind_thread() in the "
+                "thread that uses it), or call bind_thread() here once the other thread is "
+                "done with this group"
+            )
 
     def _output(
         self, op: str, src: _Arg, out: Any, shape: tuple[int, ...]
@@ -365,6 +413,8 @@ class ProcessGroup:
         dt = np.dtype(dtype)
         if dt not in DTYPE_CODES:
             raise TypeError(f"{self._where('alloc')}: unsupported dtype {dt}")
+        if _get_ident() != self._owner:
+            self._not_owner("alloc", None)
         with self._lock:
             self._seq += 1
             self.backend.check_usable("alloc", self._seq)
@@ -455,6 +505,9 @@ class NonMemberGroup:
     def destroy(self) -> None:
         """Nothing to release. Every rank may call ``destroy_process_group(g)`` on the group it
         got from ``new_group``; refusing it here (like the collectives) broke that idiom."""
+
+    def bind_thread(self, thread: threading.Thread | None = None) -> None:
+        """Nothing to bind; every rank may give what ``new_group`` returned to a thread."""
 
     def __getattr__(self, name: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:

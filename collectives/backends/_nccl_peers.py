@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from .._backend import GroupInfo
 from .._errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from ._proc import host_id
+from ._setup_wait import SetupWatch
 
-__all__ = ["AbortNotice", "PeerBoard"]
+__all__ = ["UNCAUGHT", "AbortNotice", "PeerBoard", "last_words"]
 
+UNCAUGHT = "uncaught "  # how a published failure says that the rank's process is ending
 _ABORT_KINDS = ("timeout", "mismatch", "failed")
 _MAX_NOTICE_CHARS = 4000
 
@@ -109,32 +111,23 @@ class PeerBoard:
         if self.store is not None:
             self.store.set(self.key(f"joined/{self.info.rank}"), f"{os.getpid()} {host_id()}")
 
-    def share_unique_id(self, make: Callable[[], bytes], deadline: float) -> bytes:
+    def share_unique_id(
+        self, make: Callable[[], bytes], deadline: float, watch: SetupWatch
+    ) -> bytes:
         """Group rank 0's ``ncclUniqueId`` (rank 0 makes it with ``make``).
 
         Raises:
+            PeerFailureError: a peer died (or left) meanwhile (``watch`` names it).
             CollectiveTimeoutError: rank 0 did not publish it by ``deadline``.
         """
-        info = self.info
         if self.store is None:
             return make()
-        if info.rank == 0:
+        if self.info.rank == 0:
             uid = make()
-            self.store.set(self.key("uid"), uid)
+            with watch.guard():
+                self.store.set(self.key("uid"), uid)
             return uid
-        try:
-            return bytes(
-                self.store.get(self.key("uid"), timeout=max(0.01, deadline - time.monotonic()))
-            )
-        except TimeoutError as exc:
-            raise info.error(
-                CollectiveTimeoutError,
-                "init",
-                None,
-                f"group rank 0 (global rank {info.ranks[0]}) did not publish the NCCL unique "
-                f"id within {info.timeout:g} s",
-                cause=exc,
-            ) from exc
+        return watch.get(self.key("uid"), 0, deadline, "publish the NCCL unique id")
 
     def not_joined(self) -> list[int]:
         """Global ranks that never announced themselves (best effort: [] on store errors)."""
@@ -221,3 +214,21 @@ class PeerBoard:
                 procs[r] = (int(raw[0]), raw[1])
             self._processes = procs
         return notice, dict(self._departed), dict(self._processes)
+
+
+def last_words(boards: list[PeerBoard]) -> dict[int, str]:
+    """Global rank -> the failure it published on one of ``boards`` (groups this process
+    shares with it) because an uncaught exception ends its process; setup waits quote it.
+    One or two store requests per board."""
+    said: dict[int, str] = {}
+    for board in boards:
+        store = board.store
+        if store is None:
+            continue
+        key = board.key("abort")
+        with contextlib.suppress(Exception):
+            if store.check([key]):
+                notice = AbortNotice.decode(store.get(key, timeout=1.0))
+                if notice.rank >= 0 and f"] {UNCAUGHT}" in notice.message:
+                    said.setdefault(notice.rank, notice.message)
+    return said

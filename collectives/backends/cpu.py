@@ -33,9 +33,6 @@ from .._backend import Backend, GroupInfo, Request
 from .._errors import (
     CollectiveError,
     CollectiveMismatchError,
-    CollectiveTimeoutError,
-    PeerFailureError,
-    collective_error,
     where,
 )
 from .._exit import on_uncaught
@@ -47,6 +44,7 @@ from ._cpu_layout import (
     ABORT_CLOSED,
     NO_LOCATION,
     U32_MASK,
+    W_ABORT,
     W_PID,
     Layout,
     SegmentView,
@@ -54,11 +52,13 @@ from ._cpu_layout import (
     reached,
 )
 from ._cpu_sync import Lockstep, abort_kind
-from ._proc import host_id, pid_alive
+from ._proc import host_id
+from ._setup_wait import SetupWatch, setup_op
 from ._shm import Segment
 
 __all__ = ["CpuBackend"]
 
+_UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
 
 _UFUNCS = {
@@ -124,7 +124,8 @@ class CpuBackend(Backend):
         try:
             own_view = SegmentView(self._own, self.layout)
             own_view.hdr[W_PID] = os.getpid() & U32_MASK
-            segs = self._exchange(self._own, "seg", None)
+            watch = SetupWatch(info, setup_op(info), last_words=_last_words)
+            segs = self._exchange(self._own, "seg", watch)
         except BaseException:
             self._own.close()
             raise
@@ -136,28 +137,32 @@ class CpuBackend(Backend):
             on_uncaught(_tell_peers_uncaught)
 
     # ------------------------------------------------------------------ setup
-    def _exchange(self, seg: Segment, what: str, views: list[SegmentView] | None) -> list[Segment]:
+    def _exchange(self, seg: Segment, what: str, watch: SetupWatch) -> list[Segment]:
         """Publish ``seg``'s name, map every peer's, wait until all mapped, unlink ours.
 
-        Returns every rank's segment (``seg`` itself for this rank). ``views`` are the group's
-        segments whose headers hold the peers' pids (None while those are the ones exchanged).
+        Returns every rank's segment (``seg`` itself for this rank). The waits fail fast,
+        naming the rank, when a peer dies meanwhile (``watch``).
         """
         info = self.info
         if self.size == 1:
             seg.unlink()
             return [seg]
-        me, store = self.rank, info.store
+        me, store, n = self.rank, info.store, self.size
         prefix = f"{info.name}/cpu/{what}"
         host, layout = host_id(), self.layout.describe()
-        store.set(f"{prefix}/{me}", f"{seg.name} {host} {layout}")
-        store.wait([f"{prefix}/{r}" for r in range(self.size)], info.timeout)
+        deadline = time.monotonic() + info.timeout
+        with watch.guard():
+            store.set(f"{prefix}/{me}", f"{seg.name} {host} {layout}")
+        watch.wait({f"{prefix}/{r}": r for r in range(n)}, deadline, "publish its segment")
         # Check every peer's entry before mapping any: a rank that fails the check unlinks its
         # segment, so a rank that mapped first would report a FileNotFoundError instead.
         names: dict[int, str] = {}
-        for r in range(self.size):
+        for r in range(n):
             if r == me:
                 continue
-            name, peer_host, peer_layout = store.get(f"{prefix}/{r}").decode().split()
+            with watch.guard():
+                entry = store.get(f"{prefix}/{r}", timeout=1.0)
+            name, peer_host, peer_layout = entry.decode().split()
             names[r] = name
             if peer_layout != layout:
                 raise ValueError(
@@ -172,11 +177,11 @@ class CpuBackend(Backend):
                 )
         segs: list[Segment] = []
         try:
-            segs = [seg if r == me else Segment.attach(names[r]) for r in range(self.size)]
-            if store.add(f"{prefix}/mapped", 1) == self.size:
-                store.set(f"{prefix}/all", b"1")
-            headers = [s.words(0, 4) for s in segs] if views is None else [v.hdr for v in views]
-            self._wait_mapped(store, f"{prefix}/all", headers)
+            segs = [seg if r == me else Segment.attach(names[r]) for r in range(n)]
+            with watch.guard():
+                store.set(f"{prefix}/mapped/{me}", b"1")
+            mapped = {f"{prefix}/mapped/{r}": r for r in range(n)}
+            watch.wait(mapped, deadline, "map every rank's segment")
         except BaseException:
             # Only a segment's creator unlinks it after everyone mapped it: a rank that died
             # here would leave its file in /dev/shm. Every rank knows the names, so remove them
@@ -187,35 +192,6 @@ class CpuBackend(Backend):
             raise
         seg.unlink()
         return segs
-
-    def _wait_mapped(self, store: Any, key: str, headers: list[memoryview]) -> None:
-        """Wait for ``key`` (every rank mapped every segment), failing fast if a peer died:
-        a plain store wait would sit out the whole group timeout."""
-        info = self.info
-        setup = f"cpu backend setup of {info.describe()}"
-        deadline = time.monotonic() + info.timeout
-        while True:
-            try:
-                store.wait([key], max(0.01, min(0.5, deadline - time.monotonic())))
-                return
-            except TimeoutError:
-                pass
-            for q, hdr in enumerate(headers):
-                pid = hdr[W_PID]
-                if q != self.rank and not pid_alive(pid):
-                    raise collective_error(
-                        PeerFailureError,
-                        f"{setup}: rank {info.ranks[q]} (pid {pid}) is gone: its process "
-                        "exited or was killed while the group was being set up",
-                        rank=info.global_rank,
-                    )
-            if time.monotonic() >= deadline:
-                raise collective_error(
-                    CollectiveTimeoutError,
-                    f"{setup}: not every rank mapped the shared-memory segments within "
-                    f"{info.timeout:g} s",
-                    rank=info.global_rank,
-                )
 
     def abort(self, reason: CollectiveError) -> None:
         """Record the failure and tell the peers (they fail instead of waiting)."""
@@ -481,7 +457,8 @@ class CpuBackend(Backend):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         seg = Segment.create(max(nbytes, 1), f"{self.info.name}-a{seq}-r{self.rank}")
         try:
-            segs = self._exchange(seg, f"alloc{seq}", self.views)
+            watch = SetupWatch(self.info, "alloc", seq, last_words=_last_words)
+            segs = self._exchange(seg, f"alloc{seq}", watch)
         except BaseException:
             seg.close()
             raise
@@ -511,8 +488,9 @@ class CpuBackend(Backend):
             return
         self._closed = True
         _LIVE.discard(self)
-        if self.error is None and self.size > 1:
-            # Peers still waiting on this rank fail now instead of at their timeout.
+        if self.error is None and self.size > 1 and not self.mine.hdr[W_ABORT]:
+            # Peers still waiting on this rank fail now instead of at their timeout. (A reason
+            # told already, an uncaught exception's, stays: it says more than "destroyed".)
             with contextlib.suppress(Exception):
                 self.sync.set_abort("destroyed its process group", ABORT_CLOSED)
         for _lo, _hi, _aid, segs in self._allocs:
@@ -525,12 +503,25 @@ class CpuBackend(Backend):
 _LIVE: set[CpuBackend] = set()
 
 
+def _last_words() -> dict[int, str]:
+    """Global rank -> the reason it gave, in a group this process shares with it, for ending
+    (an uncaught exception: see below). A setup wait quotes it."""
+    said: dict[int, str] = {}
+    for b in list(_LIVE):
+        for q, view in enumerate(b.views):
+            if q != b.rank and view.hdr[W_ABORT]:
+                reason = view.abort_reason()
+                if reason.startswith(_UNCAUGHT):
+                    said.setdefault(b.info.ranks[q], reason)
+    return said
+
+
 def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
     # An uncaught exception is about to end this process: tell the peers why, so they report
     # "rank 1 failed: ValueError: ..." instead of only noticing that the process is gone.
     for b in list(_LIVE):
         with contextlib.suppress(Exception):
-            b.sync.set_abort(f"uncaught {tp.__name__}: {value}")
+            b.sync.set_abort(f"{_UNCAUGHT}{tp.__name__}: {value}")
 
 
 register_backend(

@@ -7,7 +7,7 @@ every rank starts a *non-blocking* ``ncclCommInitRankConfig`` and polls
 default group's communicator (``ncclCommSplit``, NCCL 2.18+) or, on older libraries, makes a
 fresh unique id for the members.
 
-A collective, issued from any thread:
+A collective, issued from the group's thread (see ``ProcessGroup.bind_thread``):
 
 1. records an event on the caller's current stream and makes the group's stream wait for it
    (the inputs are ready when the caller's earlier work is);
@@ -66,10 +66,11 @@ from . import _nccl_load
 from ._nccl_cuda import Cuda, device_count
 from ._nccl_lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
 from ._nccl_ops import NcclOps, error_from
-from ._nccl_peers import PeerBoard
+from ._nccl_peers import UNCAUGHT, PeerBoard, last_words
 from ._nccl_sigring import SignatureRing
 from ._nccl_watch import NcclWatchdog
 from ._nccl_work import NcclWork
+from ._setup_wait import SetupWatch, setup_op
 
 __all__ = [
     "Nccl",
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 _CLOSE_LIMIT = 30.0  # at most this long to flush a communicator on destroy
+_WATCH_EVERY = 0.25  # how often a pending init or split looks at the peers (see SetupWatch)
 
 
 def load_library() -> Nccl:
@@ -154,20 +156,24 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
     # ------------------------------------------------------------------ setup
     def _make_comm(self, parent: NcclBackend | None) -> int:
         deadline = time.monotonic() + self.info.timeout
+        # Setup waits fail fast, naming the rank, when a peer dies or leaves meanwhile.
+        watch = SetupWatch(self.info, setup_op(self.info), last_words=_last_words)
         if parent is not None:
             with parent._lock:
                 parent.check_usable("new_group", parent._issued)
                 comm = self._call_init(
                     lambda: self.lib.comm_split(parent.comm, 0, self.rank, blocking=False),
                 )
-                self._settle_init(comm, "ncclCommSplit", deadline)
-                parent._settle_init(parent.comm, "ncclCommSplit (parent)", deadline, abort=False)
+                self._settle_init(comm, "ncclCommSplit", deadline, watch)
+                parent._settle_init(
+                    parent.comm, "ncclCommSplit (parent)", deadline, watch, abort=False
+                )
         else:
-            uid = self.board.share_unique_id(self.lib.get_unique_id, deadline)
+            uid = self.board.share_unique_id(self.lib.get_unique_id, deadline, watch)
             comm = self._call_init(
                 lambda: self.lib.comm_init_rank(self.size, uid, self.rank, blocking=False),
             )
-            self._settle_init(comm, "ncclCommInitRankConfig", deadline)
+            self._settle_init(comm, "ncclCommInitRankConfig", deadline, watch)
         try:
             count = self.lib.comm_count(comm)
             rank = self.lib.comm_user_rank(comm)
@@ -192,9 +198,13 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         except NcclError as exc:
             raise error_from(self.info, exc, "init") from exc
 
-    def _settle_init(self, comm: int, call: str, deadline: float, abort: bool = True) -> None:
-        """Poll a communicator that is initializing (or splitting) until it is ready."""
+    def _settle_init(
+        self, comm: int, call: str, deadline: float, watch: SetupWatch, abort: bool = True
+    ) -> None:
+        """Poll a communicator that is initializing (or splitting) until it is ready; fail
+        fast (``watch``) when a peer dies meanwhile, as NCCL would wait for it forever."""
         pause = 0.0002
+        next_check = time.monotonic() + _WATCH_EVERY
         while True:
             try:
                 state = self.lib.comm_get_async_error(comm)
@@ -218,6 +228,14 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
                     None,
                     f"{call} did not complete within {self.info.timeout:g} s{detail}",
                 )
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _WATCH_EVERY
+                try:
+                    watch.check(f"finish {call}")
+                except CollectiveError:
+                    if abort:
+                        self.lib.comm_abort(comm)
+                    raise
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
@@ -239,6 +257,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         if info is not None:
             return NcclBackend(info, parent=self)
         deadline = time.monotonic() + self.info.timeout
+        watch = SetupWatch(self.info, "new_group", last_words=_last_words)  # see _make_comm
         with self._lock:
             self.check_usable("new_group", self._issued)
             self._call_init(
@@ -246,7 +265,9 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
                     self.comm, nccl_lib.SPLIT_NOCOLOR, self.rank, blocking=False
                 ),
             )
-            self._settle_init(self.comm, "ncclCommSplit (not a member)", deadline, abort=False)
+            self._settle_init(
+                self.comm, "ncclCommSplit (not a member)", deadline, watch, abort=False
+            )
         return None
 
     # ------------------------------------------------------------------ enqueue
@@ -554,13 +575,18 @@ def _probe() -> str | None:
 _LIVE: set[NcclBackend] = set()
 
 
+def _last_words() -> dict[int, str]:
+    """What ranks published, in groups this process shares with them, on ending."""
+    return last_words([b.board for b in list(_LIVE)])
+
+
 def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
     # An uncaught exception is about to end this process: tell the peers why, so they report
     # "rank 1 failed: ValueError: ..." instead of waiting for their timeout.
     for b in list(_LIVE):
         if b.error is None:
             with contextlib.suppress(Exception):
-                detail = f"uncaught {tp.__name__}: {value}"
+                detail = f"{UNCAUGHT}{tp.__name__}: {value}"
                 rank = b.info.global_rank
                 b.board.tell_abort(collective_error(CollectiveError, detail, rank=rank))
 
