@@ -96,6 +96,16 @@ def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
         np.true_divide(out, n, out=out, casting="unsafe")
 
 
+
+def _attach(name: str, watch: SetupWatch) -> Segment:
+    """Map a peer's segment; a name already gone means its creator died (and the next init's
+    sweep removed it): name the rank, as the waits do, rather than a bare FileNotFoundError."""
+    try:
+        return Segment.attach(name)
+    except FileNotFoundError:
+        watch.check("publish its segment")
+        raise
+
 class CpuBackend(Backend):
     """Shared-memory collectives for ranks on one host (see the module docstring)."""
 
@@ -177,7 +187,7 @@ class CpuBackend(Backend):
                 )
         segs: list[Segment] = []
         try:
-            segs = [seg if r == me else Segment.attach(names[r]) for r in range(n)]
+            segs = [seg if r == me else _attach(names[r], watch) for r in range(n)]
             with watch.guard():
                 store.set(f"{prefix}/mapped/{me}", b"1")
             mapped = {f"{prefix}/mapped/{r}": r for r in range(n)}
