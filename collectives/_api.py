@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import os
-import platform
 import threading
 import zlib
 from collections.abc import Sequence
@@ -16,8 +14,9 @@ from typing import Any
 from ._backend import GroupInfo
 from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
 from ._errorfile import install_excepthook
-from ._errors import where
+from ._exit import on_uncaught
 from ._group import NonMemberGroup, ProcessGroup
+from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
 
@@ -58,11 +57,14 @@ class _World:
     timeout: float
     groups: list[ProcessGroup] = field(default_factory=list)
     group_counter: int = 0
+    peers: Peers = field(default_factory=dict)  # every rank's (pid, host), from the store
 
 
 _world: _World | None = None
 _lock = threading.RLock()
 _atexit_registered = False
+# An uncaught exception is ending this process (see _on_uncaught).
+_failing = False
 
 
 def _seconds(timeout: float | datetime.timedelta | None) -> float:
@@ -122,6 +124,8 @@ def init_process_group(
             )
         seconds = _seconds(timeout)
         install_excepthook()  # under a launcher: this rank's traceback goes to its error file
+        store: Any = None
+        peers: Peers = {}
         if backend is None and _started_by_mpiexec():
             backend = "mpi"
         if backend is not None and get_backend_spec(backend).world is not None:
@@ -131,7 +135,6 @@ def init_process_group(
             if reason is not None:
                 raise RuntimeError(f"backend {backend!r} is not usable here: {reason}")
             env = _world_from_backend(spec, init_method, rank, world_size)
-            store = None
         else:
             env = resolve_init_method(init_method, rank=rank, world_size=world_size)
             name = backend if backend is not None else _default_backend(env.world_size)
@@ -139,9 +142,10 @@ def init_process_group(
             reason = spec.probe()
             if reason is not None:
                 raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
-            store = None
             if env.world_size > 1:
-                store = _rendezvous(env, seconds)
+                store, peers = rendezvous(env, seconds)
+                # Registered before the backends' own callbacks, so that it runs first.
+                on_uncaught(_on_uncaught)
         info = GroupInfo(
             rank=env.rank,
             size=env.world_size,
@@ -156,9 +160,9 @@ def init_process_group(
             group = ProcessGroup(spec.factory(info))
         except BaseException:
             if store is not None:
-                store.close()
+                release(store)
             raise
-        _world = _World(default=group, env=env, store=store, timeout=seconds)
+        _world = _World(default=group, env=env, store=store, timeout=seconds, peers=peers)
         _world.groups.append(group)
         if store is not None and not _atexit_registered:
             # Ranks that end without destroy_process_group() still tell the store host.
@@ -211,46 +215,6 @@ def _world_from_backend(
     )
 
 
-def _rendezvous(env: EnvConfig, timeout: float) -> Any:
-    """Connect to (rank 0: host) the store and check every rank joined with the same size."""
-    from ._store import TCPStore
-
-    store = TCPStore(env.master_addr, env.master_port, is_server=env.rank == 0, timeout=timeout)
-    try:
-        claimed = store.add(f"init/rank/{env.rank}/claims", 1)
-        if claimed != 1:
-            raise ValueError(
-                f"two processes claim RANK={env.rank} (check RANK / the launcher's settings)"
-            )
-        store.set(
-            f"init/rank/{env.rank}",
-            f"{env.world_size} {os.getpid()} {platform.node()}",
-        )
-        keys = [f"init/rank/{r}" for r in range(env.world_size)]
-        try:
-            store.wait(keys, timeout)
-        except Exception as exc:
-            missing = [r for r in range(env.world_size) if not store.check([f"init/rank/{r}"])]
-            raise TimeoutError(
-                f"{where(env.rank, 'init_process_group')}: ranks {missing} did not join within "
-                f"{timeout:.0f} s (WORLD_SIZE={env.world_size}, store "
-                f"{env.master_addr}:{env.master_port})"
-            ) from exc
-        sizes = {}
-        for r in range(env.world_size):
-            sizes[r] = int(store.get(f"init/rank/{r}").decode().split()[0])
-        bad = {r: s for r, s in sizes.items() if s != env.world_size}
-        if bad:
-            raise ValueError(
-                f"{where(env.rank, 'init_process_group')}: ranks disagree on WORLD_SIZE: this rank "
-                f"has {env.world_size}, ranks {sorted(bad)} have {sorted(set(bad.values()))}"
-            )
-    except BaseException:
-        store.close()
-        raise
-    return store
-
-
 def _require() -> _World:
     if _world is None:
         _implicit_serial()
@@ -294,30 +258,32 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
             if group in _world.groups:
                 _world.groups.remove(group)
             return
-        for g in reversed(_world.groups):
+        world, store = _world, _world.store
+        gone = False
+        if store is not None:
+            # Leaving gets short deadlines of its own, never the group's timeout: a store
+            # host that is frozen or gone must not hold this rank's exit (see _lifecycle).
+            bound_store(store)
+            gone = not reachable(store, world.env.rank)
+            if gone:
+                release(store)  # the backends' goodbyes then fail at once, not each in 2 s
+        for g in reversed(world.groups):
             g.destroy()
-        if _world.store is not None:
-            _leave_store(_world)
-            _world.store.close()
+        if store is not None and not gone:
+            failed = _failing or any(g.backend.error is not None for g in world.groups)
+            leave(store, world.env, world.timeout, world.peers, failed)
+            release(store)
         _world = None
 
 
-_STORE_LINGER = 10.0
-
-
-def _leave_store(world: _World) -> None:
-    """Say this rank is done with the store; rank 0, which hosts it, waits (a little) for all.
-
-    Without this, rank 0 could finish (or fail) and close the store while another rank still
-    waits on a key during its own setup, which then fails with a lost connection instead of
-    its real outcome.
-    """
-    env, store = world.env, world.store
-    with contextlib.suppress(Exception):
-        store.set(f"world/left/{env.rank}", b"1")
-        if env.rank == 0:
-            keys = [f"world/left/{r}" for r in range(env.world_size)]
-            store.wait(keys, min(_STORE_LINGER, world.timeout))
+def _on_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    # The process is ending: every store call from here on (the backends' "tell the peers",
+    # then atexit's destroy) gets the short leaving deadline.
+    global _failing
+    _failing = True
+    world = _world
+    if world is not None and world.store is not None:
+        bound_store(world.store)
 
 
 def get_default_group() -> ProcessGroup:
@@ -365,14 +331,30 @@ def new_group(
 ) -> ProcessGroup | NonMemberGroup:
     """Create a group of some global ranks. Every rank of the job must call it, in the same order.
 
+    ``ranks`` is a set: ``[1, 0]`` and ``[0, 1]`` make the same group, in which ranks are
+    numbered in global rank order (as in PyTorch). When the job has a store, every rank
+    checks that all passed the same ranks and backend before the group is built.
+
+    Args:
+        ranks: the members' global ranks, unique, in any order (None: every rank).
+        backend: the group's backend (None: the default group's; serial for one member).
+        timeout: the group's timeout (None: the default group's).
+
     Returns:
         The group on its members; a :class:`NonMemberGroup` (whose collectives raise) elsewhere.
+
+    Raises:
+        ValueError: ``ranks`` has duplicates, is empty or out of range.
+        CollectiveMismatchError: the ranks passed different members or backends (the
+            message shows which rank passed what).
+        CollectiveTimeoutError: some ranks did not call ``new_group`` within the timeout.
     """
     world = _require()
     size = world.default.size
-    members = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
-    if not members or len(set(members)) != len(members):
-        raise ValueError(f"new_group: ranks must be unique and non-empty, got {list(members)}")
+    given = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
+    if not given or len(set(given)) != len(given):
+        raise ValueError(f"new_group: ranks must be unique and non-empty, got {list(given)}")
+    members = tuple(sorted(given))
     bad = [r for r in members if not 0 <= r < size]
     if bad:
         raise ValueError(f"new_group: ranks {bad} are out of range for world size {size}")
@@ -401,6 +383,11 @@ def new_group(
                 f"job but rank {b_rank} of {b_size} to {bname.upper()}; such groups need a job "
                 "that mpiexec started"
             )
+    seconds = _seconds(timeout) if timeout is not None else world.timeout
+    if world.store is not None:
+        # Different lists on different ranks would otherwise meet under different keys and
+        # wait out the timeout; say at once which rank passed what.
+        agree_on_members(world.store, me, size, counter, members, bname, seconds)
     # A backend may build the new group from the default group's (ncclCommSplit): every rank
     # of the default group takes part, members or not.
     parent = world.default.backend if bname == default_backend else None
@@ -417,7 +404,7 @@ def new_group(
         global_rank=me,
         name=name,
         store=world.store,
-        timeout=_seconds(timeout) if timeout is not None else world.timeout,
+        timeout=seconds,
         local_rank=world.env.local_rank,
     )
     made = parent.split(info) if parent is not None else None

@@ -417,12 +417,13 @@ def broadcast_object_not_json(src: int) -> dict[str, str]:
 
 
 def subgroups(seed: int, members: list[int], src: int) -> dict[str, Any]:
-    """Collectives inside ``new_group(members)``: group rank order follows ``members``, roots
-    are global ranks, and non-members get errors. Returns what this rank saw."""
+    """Collectives inside ``new_group(members)``: members are a set numbered in global rank
+    order (as in PyTorch), roots are global ranks, and non-members get errors. Returns what
+    this rank saw."""
     rank, n = _world()
     g = C.new_group(members)
     try:
-        out = _subgroup_work(seed, g, members, src)
+        out = _subgroup_work(seed, g, sorted(members), src)
         # The default group still works while the subgroup exists.
         w = np.full(2, rank + 1, dtype=np.int64)
         C.all_reduce(w)

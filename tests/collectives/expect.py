@@ -150,7 +150,7 @@ def subgroups(pool: Pool, seed: int, members: list[int], src: int) -> None:
         if rank in members:
             assert res == {
                 "member": True,
-                "group_rank": members.index(rank),
+                "group_rank": sorted(members).index(rank),  # global rank order
                 "group_size": len(members),
             }
         else:
