@@ -19,6 +19,7 @@ from ._group import NonMemberGroup, ProcessGroup
 from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
+from .backends._setup_wait import SetupWatch
 
 __all__ = [
     "all_gather",
@@ -387,7 +388,8 @@ def new_group(
     if world.store is not None:
         # Different lists on different ranks would otherwise meet under different keys and
         # wait out the timeout; say at once which rank passed what.
-        agree_on_members(world.store, me, size, counter, members, bname, seconds)
+        watch = SetupWatch(world.default.info, "new_group", counter)
+        agree_on_members(watch, counter, members, bname, seconds)
     # A backend may build the new group from the default group's (ncclCommSplit): every rank
     # of the default group takes part, members or not.
     parent = world.default.backend if bname == default_backend else None

@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._env import EnvConfig
-from ._errors import CollectiveMismatchError, CollectiveTimeoutError, collective_error, where
-from .backends._proc import pid_alive
+from ._errors import CollectiveMismatchError, collective_error, where
+from .backends._proc import pid_alive, pid_namespace
+from .backends._setup_wait import SetupWatch
 
 __all__ = [
     "FAILED_LINGER",
@@ -62,7 +63,7 @@ _RETRY_PAUSE = 0.02
 # Longest single attempt to connect to the store at init (see _connect).
 _CONNECT_ATTEMPT = 2.0
 
-# Global rank -> (pid, host) of every rank, as each said at init.
+# Global rank -> (pid, "host pid-namespace") of every rank, as each said at init.
 Peers = dict[int, tuple[int, str]]
 
 # (host, port) -> time.monotonic() when this process closed the store server it hosted there.
@@ -114,8 +115,14 @@ def rendezvous(env: EnvConfig, timeout: float) -> tuple[Any, Peers]:
     return store, peers
 
 
+def _where_am_i() -> str:
+    return f"{platform.node()} {pid_namespace()}"
+
+
 def _identity(env: EnvConfig) -> str:
-    return f"{env.world_size} {os.getpid()} {platform.node()}"
+    # A pid names one process only within one pid namespace: peers on the same host name but
+    # in another container must not judge this pid (backends/_setup_wait.py reads the field).
+    return f"{env.world_size} {os.getpid()} {_where_am_i()}"
 
 
 def _open_store(env: EnvConfig, timeout: float) -> Any:
@@ -218,7 +225,7 @@ def _linger(store: Any, env: EnvConfig, linger: float, peers: Peers) -> None:
     store.set(f"world/left/{env.rank}", b"1")
     deadline = time.monotonic() + linger
     waiting = set(range(1, env.world_size))
-    here = platform.node()
+    here = _where_am_i()  # as the records say it: host name and pid namespace
     while waiting:
         try:
             store.wait([f"world/left/{r}" for r in sorted(waiting)], min(0.2, linger))
@@ -262,9 +269,7 @@ def _bounded(call: Callable[[], Any], deadline: float) -> bool:
 
 # ---------------------------------------------------------------------- new_group
 def agree_on_members(
-    store: Any,
-    me: int,
-    size: int,
+    watch: SetupWatch,
     counter: int,
     members: Sequence[int],
     backend: str,
@@ -273,10 +278,15 @@ def agree_on_members(
     """Check that every rank of the job passed the same members and backend to this
     ``new_group`` call (the ``counter``-th), before any backend waits on the group's keys.
 
+    Args:
+        watch: a setup watch over the job's default group (its store, its ranks' liveness).
+
     Raises:
         CollectiveMismatchError: ranks passed different lists (the message shows each).
         CollectiveTimeoutError: some ranks did not call ``new_group`` within ``timeout``.
+        PeerFailureError: a rank died or left before calling it (named at once).
     """
+    store, me, size = watch.store, watch.info.rank, watch.info.size
     prefix = f"new_group/{counter}"
     entry = f"{','.join(map(str, members))} {backend}"
     # Ranks that passed the same entry count under one key (a digest: lists may be long).
@@ -286,19 +296,12 @@ def agree_on_members(
     keys = [f"{prefix}/{r}" for r in range(size)]
     if agreeing == size:
         return  # the last to arrive and everyone agrees: no need to wait
-    try:
-        store.wait(keys, timeout)
-    except TimeoutError as exc:
-        missing = [r for r in range(size) if not store.check([keys[r]])]
-        raise collective_error(
-            CollectiveTimeoutError,
-            f"ranks {missing} did not call new_group (call {counter} of this job) within "
-            f"{timeout:g} s; every rank of the job must call new_group, members or not",
-            rank=me,
-            op="new_group",
-            seq=counter,
-            cause=exc,
-        ) from exc
+    watch.wait(
+        {k: r for r, k in enumerate(keys)},
+        time.monotonic() + timeout,
+        f"call new_group (call {counter} of this job; every rank of the job must call it, "
+        "members or not)",
+    )
     if store.add(votes, 0) == size:
         return
     passed: dict[str, list[int]] = {}

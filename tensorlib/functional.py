@@ -237,8 +237,7 @@ def _padding_index(padding_idx: int | None, num: int, who: str) -> int | None:
         return None
     if not -num <= padding_idx < num:
         raise ValueError(
-            f"{who}: padding_idx must be in [-{num}, {num}) for {num} embeddings, "
-            f"got {padding_idx}"
+            f"{who}: padding_idx must be in [-{num}, {num}) for {num} embeddings, got {padding_idx}"
         )
     return padding_idx % num
 

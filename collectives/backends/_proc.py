@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["host_id", "pid_alive"]
+__all__ = ["host_id", "pid_alive", "pid_namespace"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -38,3 +38,11 @@ def host_id() -> str:
     except OSError:
         boot = "noboot"
     return f"{os.uname().nodename}/{boot}"
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``), or ``"-"`` where unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"

@@ -24,7 +24,6 @@ naming the ranks that never arrived.
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import time
 import weakref
@@ -34,9 +33,9 @@ from typing import Any
 from .._backend import GroupInfo
 from .._errors import CollectiveTimeoutError, PeerFailureError
 from .._store import StoreError
-from ._proc import pid_alive
+from ._proc import pid_alive, pid_namespace
 
-__all__ = ["SetupWatch", "pid_namespace", "setup_op"]
+__all__ = ["SetupWatch", "register_last_words", "setup_op"]
 
 _SLICE_MIN, _SLICE_MAX = 0.02, 0.25  # seconds a slice of the store wait lasts (doubling)
 # How often the store is asked which peers left (one request per peer): every second, and
@@ -51,6 +50,25 @@ _EXIT_GRACE = 1.0  # a killed process closes its sockets a moment before it is r
 _PIDS: weakref.WeakKeyDictionary[Any, dict[int, int | None]] = weakref.WeakKeyDictionary()
 
 LastWords = Callable[[], "dict[int, str]"]
+
+# Backends that keep failure records (the cpu backend's abort words in shared memory) register
+# a reader here, so every setup wait can quote them, whatever group it watches.
+_LAST_WORDS: list[LastWords] = []
+
+
+def register_last_words(reader: LastWords) -> None:
+    """Let every :class:`SetupWatch` quote ``reader()`` (global rank -> the reason it gave
+    for ending, e.g. an uncaught exception)."""
+    if reader not in _LAST_WORDS:
+        _LAST_WORDS.append(reader)
+
+
+def _registered_last_words() -> dict[int, str]:
+    said: dict[int, str] = {}
+    for reader in _LAST_WORDS:
+        for rank, reason in reader().items():
+            said.setdefault(rank, reason)
+    return said
 
 
 def setup_op(info: GroupInfo) -> str:
@@ -80,7 +98,7 @@ class SetupWatch:
         self.op = op
         self.seq = seq
         self.store = info.store
-        self._last_words = last_words
+        self._last_words = last_words if last_words is not None else _registered_last_words
         self._next_left = 0.0
 
     # ------------------------------------------------------------------ waits
@@ -223,11 +241,3 @@ class SetupWatch:
             return int(fields[1])
         except ValueError:
             return None
-
-
-def pid_namespace() -> str:
-    """This process's pid namespace (``pid:[4026531836]``), or ``"-"`` where unknown."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return "-"

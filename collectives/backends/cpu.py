@@ -53,7 +53,7 @@ from ._cpu_layout import (
 )
 from ._cpu_sync import Lockstep, abort_kind
 from ._proc import host_id
-from ._setup_wait import SetupWatch, setup_op
+from ._setup_wait import SetupWatch, register_last_words, setup_op
 from ._shm import Segment
 
 __all__ = ["CpuBackend"]
@@ -96,7 +96,6 @@ def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
         np.true_divide(out, n, out=out, casting="unsafe")
 
 
-
 def _attach(name: str, watch: SetupWatch) -> Segment:
     """Map a peer's segment; a name already gone means its creator died (and the next init's
     sweep removed it): name the rank, as the waits do, rather than a bare FileNotFoundError."""
@@ -105,6 +104,7 @@ def _attach(name: str, watch: SetupWatch) -> Segment:
     except FileNotFoundError:
         watch.check("publish its segment")
         raise
+
 
 class CpuBackend(Backend):
     """Shared-memory collectives for ranks on one host (see the module docstring)."""
@@ -134,7 +134,7 @@ class CpuBackend(Backend):
         try:
             own_view = SegmentView(self._own, self.layout)
             own_view.hdr[W_PID] = os.getpid() & U32_MASK
-            watch = SetupWatch(info, setup_op(info), last_words=_last_words)
+            watch = SetupWatch(info, setup_op(info))
             segs = self._exchange(self._own, "seg", watch)
         except BaseException:
             self._own.close()
@@ -467,7 +467,7 @@ class CpuBackend(Backend):
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         seg = Segment.create(max(nbytes, 1), f"{self.info.name}-a{seq}-r{self.rank}")
         try:
-            watch = SetupWatch(self.info, "alloc", seq, last_words=_last_words)
+            watch = SetupWatch(self.info, "alloc", seq)
             segs = self._exchange(seg, f"alloc{seq}", watch)
         except BaseException:
             seg.close()
@@ -534,6 +534,7 @@ def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any)
             b.sync.set_abort(f"{_UNCAUGHT}{tp.__name__}: {value}")
 
 
+register_last_words(_last_words)
 register_backend(
     "cpu",
     CpuBackend,

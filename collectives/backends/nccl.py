@@ -70,7 +70,7 @@ from ._nccl_peers import UNCAUGHT, PeerBoard, last_words
 from ._nccl_sigring import SignatureRing
 from ._nccl_watch import NcclWatchdog
 from ._nccl_work import NcclWork
-from ._setup_wait import SetupWatch, setup_op
+from ._setup_wait import SetupWatch, register_last_words, setup_op
 
 __all__ = [
     "Nccl",
@@ -157,7 +157,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
     def _make_comm(self, parent: NcclBackend | None) -> int:
         deadline = time.monotonic() + self.info.timeout
         # Setup waits fail fast, naming the rank, when a peer dies or leaves meanwhile.
-        watch = SetupWatch(self.info, setup_op(self.info), last_words=_last_words)
+        watch = SetupWatch(self.info, setup_op(self.info))
         if parent is not None:
             with parent._lock:
                 parent.check_usable("new_group", parent._issued)
@@ -257,7 +257,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         if info is not None:
             return NcclBackend(info, parent=self)
         deadline = time.monotonic() + self.info.timeout
-        watch = SetupWatch(self.info, "new_group", last_words=_last_words)  # see _make_comm
+        watch = SetupWatch(self.info, "new_group")  # see _make_comm
         with self._lock:
             self.check_usable("new_group", self._issued)
             self._call_init(
@@ -575,9 +575,8 @@ def _probe() -> str | None:
 _LIVE: set[NcclBackend] = set()
 
 
-def _last_words() -> dict[int, str]:
-    """What ranks published, in groups this process shares with them, on ending."""
-    return last_words([b.board for b in list(_LIVE)])
+# What ranks published on ending, in groups this process shares with them: setup waits quote it.
+register_last_words(lambda: last_words([b.board for b in list(_LIVE)]))
 
 
 def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:

@@ -155,7 +155,8 @@ def test_pids_are_trusted_only_from_this_host_and_pid_namespace() -> None:
     node name and (when the record names one) the same pid namespace."""
     from collectives._backend import GroupInfo
     from collectives._store import TCPStore
-    from collectives.backends._setup_wait import SetupWatch, pid_namespace
+    from collectives.backends._proc import pid_namespace
+    from collectives.backends._setup_wait import SetupWatch
 
     node, ns = platform.node(), pid_namespace()
     records = {
