@@ -284,8 +284,16 @@ def agree_on_members(
     Raises:
         CollectiveMismatchError: ranks passed different lists (the message shows each).
         CollectiveTimeoutError: some ranks did not call ``new_group`` within ``timeout``.
-        PeerFailureError: a rank died or left before calling it (named at once).
+        PeerFailureError: a rank died or left before calling it (named at once), or the
+            store's host (rank 0) is gone.
     """
+    with watch.guard():  # a lost store whose host died names rank 0, not a key
+        _agree(watch, counter, members, backend, timeout)
+
+
+def _agree(
+    watch: SetupWatch, counter: int, members: Sequence[int], backend: str, timeout: float
+) -> None:
     store, me, size = watch.store, watch.info.rank, watch.info.size
     prefix = f"new_group/{counter}"
     entry = f"{','.join(map(str, members))} {backend}"
