@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.collectives.harness import PoolCache, leaked_segments, session_run_id
+from tests.collectives.harness import PoolCache, RankPool, leaked_segments, session_run_id
 
 # The shared checks of the bodies' results fail with pytest's detailed assertion messages.
 pytest.register_assert_rewrite("tests.collectives.expect")
@@ -66,3 +66,14 @@ def seed(request: pytest.FixtureRequest) -> int:
     import zlib
 
     return zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture
+def pools() -> Iterator[list[RankPool]]:
+    """Dedicated pools of a test: killed at the end and checked for leaked segments."""
+    made: list[RankPool] = []
+    yield made
+    for p in made:
+        p.kill_all()
+    leaked = [name for p in made for name in leaked_segments(p.run_id)]
+    assert not leaked, f"shared-memory segments left behind: {leaked}"

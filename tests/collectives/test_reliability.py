@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,17 +25,6 @@ pytestmark = pytest.mark.timeout(90)
 # Far above every "fails fast" bound below: passing those bounds proves no timeout was involved.
 LONG = 120.0
 FAST = 10.0  # generous bound for "within seconds" on a loaded 2-core machine
-
-
-@pytest.fixture
-def pools() -> Iterator[list[RankPool]]:
-    """Dedicated pools of a test: killed at the end and checked for leaked segments."""
-    made: list[RankPool] = []
-    yield made
-    for p in made:
-        p.kill_all()
-    leaked = [name for p in made for name in leaked_segments(p.run_id)]
-    assert not leaked, f"shared-memory segments left behind: {leaked}"
 
 
 def launch(pools: list[RankPool], world_size: int, **kw: Any) -> RankPool:

@@ -14,7 +14,6 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,16 +26,6 @@ pytestmark = pytest.mark.timeout(120)
 
 LONG = 30.0  # the group timeout: far above the bound below
 FAST = 5.0  # every survivor's error within this many seconds of the death
-
-
-@pytest.fixture
-def pools() -> Iterator[list[RankPool]]:
-    made: list[RankPool] = []
-    yield made
-    for p in made:
-        p.kill_all()
-    leaked = [name for p in made for name in leaked_segments(p.run_id)]
-    assert not leaked, f"shared-memory segments left behind: {leaked}"
 
 
 def _run(
