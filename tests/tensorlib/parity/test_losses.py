@@ -12,7 +12,7 @@ import tensorlib as tl
 import tensorlib.functional as F
 from tensorlib import nn
 
-from .compare import DTYPES, assert_close, check, pair, torch
+from .compare import DTYPES, assert_close, check, pair, to_numpy, torch
 
 TF: Any = torch.nn.functional if torch else None
 REDUCTIONS = ["mean", "sum", "none"]
@@ -56,6 +56,22 @@ def test_mse_loss(reduction: str, dtype: Any) -> None:
 
 
 # ============================================================================ cross entropy
+def _check_ce(
+    x: Any, t: Any, reduction: str, smoothing: float, dtype: Any, what: str, **kw: Any
+) -> None:
+    """F.cross_entropy against torch's on the same logits and targets (``t``: a NumPy array
+    or a tensor, as users pass either; ``kw``: ignore_index)."""
+    check(
+        lambda a: F.cross_entropy(a, t, reduction=reduction, label_smoothing=smoothing, **kw),
+        lambda a: TF.cross_entropy(
+            a, torch.tensor(to_numpy(t)), reduction=reduction, label_smoothing=smoothing, **kw
+        ),
+        [x],
+        dtype,
+        what=what,
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("smoothing", SMOOTHING)
 @pytest.mark.parametrize("ignored", [0, 2])
@@ -63,15 +79,7 @@ def test_mse_loss(reduction: str, dtype: Any) -> None:
 def test_cross_entropy_2d(reduction: str, ignored: int, smoothing: float, dtype: Any) -> None:
     x = _logits(3, 7, 5)
     t = _targets(4, (7,), 5, ignored)
-    check(
-        lambda a: F.cross_entropy(a, t, reduction=reduction, label_smoothing=smoothing),
-        lambda a: TF.cross_entropy(
-            a, torch.tensor(t), reduction=reduction, label_smoothing=smoothing
-        ),
-        [x],
-        dtype,
-        what="cross_entropy",
-    )
+    _check_ce(x, t, reduction, smoothing, dtype, "cross_entropy")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,15 +89,8 @@ def test_cross_entropy_ignoring_a_real_class(reduction: str, smoothing: float, d
     # ignore_index may be a valid class (2): those rows count for neither loss nor the mean.
     x = _logits(5, 9, 4)
     t = np.array([0, 2, 1, 2, 3, 3, 2, 0, 1])
-    check(
-        lambda a: F.cross_entropy(a, tl.tensor(t), reduction, 2, smoothing),
-        lambda a: TF.cross_entropy(
-            a, torch.tensor(t), ignore_index=2, reduction=reduction, label_smoothing=smoothing
-        ),
-        [x],
-        dtype,
-        what="cross_entropy ignore_index=2",
-    )
+    what = "cross_entropy ignore_index=2"
+    _check_ce(x, tl.tensor(t), reduction, smoothing, dtype, what, ignore_index=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,15 +100,7 @@ def test_cross_entropy_k_dimensional(reduction: str, smoothing: float, dtype: An
     # (N, C, d1, d2) logits with (N, d1, d2) targets, some ignored.
     x = _logits(6, 2, 4, 3, 5)
     t = _targets(7, (2, 3, 5), 4, ignored=3)
-    check(
-        lambda a: F.cross_entropy(a, t, reduction=reduction, label_smoothing=smoothing),
-        lambda a: TF.cross_entropy(
-            a, torch.tensor(t), reduction=reduction, label_smoothing=smoothing
-        ),
-        [x],
-        dtype,
-        what="cross_entropy (N, C, d1, d2)",
-    )
+    _check_ce(x, t, reduction, smoothing, dtype, "cross_entropy (N, C, d1, d2)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
