@@ -16,6 +16,9 @@ How it works:
   queued for the end of ``backward()`` launches what is left, waits for every bucket, and
   checks (with one tiny all-reduce) that no rank missed a parameter, so that when
   ``loss.backward()`` returns every ``.grad`` holds the average over ranks.
+* Under :func:`ddp.join` (``ddp/_join.py``) each forward first tells the other ranks that this
+  rank has data, ranks that ran out shadow the others' collectives, and the buckets are scaled
+  so that they hold the average over the ranks that had data in that step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +40,9 @@ from tensorlib import Tensor
 from tensorlib.nn import Module
 
 from ._hooks import GradBucket, allreduce_hook
+
+if TYPE_CHECKING:
+    from ._join import Join
 
 __all__ = ["DistributedDataParallel"]
 
@@ -134,6 +140,9 @@ class DistributedDataParallel(Module):
         self._hook: CommHook = comm_hook if comm_hook is not None else allreduce_hook
         self._hook_state: Any = group
         self._require_sync = True
+        # The active ddp.join context, if any (it sets _grad_scale for each synchronized step).
+        self._join: Join | None = None
+        self._grad_scale = 1.0
         self._named = list(module.named_parameters())
         # Options that decide which collectives DDP issues must agree too: different bucket
         # caps make ranks wait for each other's bucket allocations until the group's timeout.
@@ -214,11 +223,13 @@ class DistributedDataParallel(Module):
             f"ranks: {shown}"
         )
 
-    def _sync_module_state(self) -> None:
-        """Copy rank 0's parameters and buffers to every rank, one broadcast per dtype."""
+    def _sync_module_state(self, src: int | None = None) -> None:
+        """Copy global rank ``src``'s (default: the group's first rank's) parameters and
+        buffers to every rank, one broadcast per dtype."""
         group = self.process_group
         if group.size == 1:
             return
+        src = group.ranks[0] if src is None else src
         tensors = [p for _, p in self._named] + [b for _, b in self.module.named_buffers()]
         by_kind: dict[tuple[Any, Any], list[Tensor]] = {}
         for t in tensors:
@@ -228,7 +239,7 @@ class DistributedDataParallel(Module):
             flat = xp.concatenate([t.data.reshape(-1) for t in ts]) if ts else None
             if flat is None or flat.size == 0:
                 continue
-            group.broadcast(flat, src=group.ranks[0])
+            group.broadcast(flat, src=src)
             start = 0
             for t in ts:
                 n = t.data.size
@@ -297,6 +308,7 @@ class DistributedDataParallel(Module):
         self._ready_total = 0
         self._launch_log: list[int] = []
         self._ready_log: list[int] = []
+        self._grad_scale = 1.0
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -314,6 +326,23 @@ class DistributedDataParallel(Module):
             raise TypeError(f"comm hook must be callable, got {hook!r}")
         self._hook, self._hook_state = hook, state
 
+    def join(
+        self,
+        *,
+        optimizers: Any = (),
+        throw_on_early_termination: bool = False,
+        enable: bool = True,
+    ) -> Join:
+        """The same as :func:`ddp.join` on this model (PyTorch's ``model.join()`` spelling)."""
+        from ._join import join  # _join imports this module
+
+        return join(
+            self,
+            optimizers=optimizers,
+            throw_on_early_termination=throw_on_early_termination,
+            enable=enable,
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_backward:
             raise RuntimeError(
@@ -321,19 +350,26 @@ class DistributedDataParallel(Module):
                 "did not finish synchronizing gradients (did it raise?); the ranks may now "
                 "disagree on the order of collectives"
             )
+        src = self.process_group.ranks[0]
+        if self._join is not None:
+            # Tell the ranks that ran out of data what this step does; under join the buffers
+            # come from the lowest rank that still has data (a joined rank's are stale).
+            src = self._join.notify(sync=self._require_sync and tl.is_grad_enabled())
         if self.broadcast_buffers and self.process_group.size > 1:
-            bufs = [b for _, b in self.module.named_buffers()]
-            for b in bufs:
-                data = b.data
-                if data.flags.c_contiguous:
-                    self.process_group.broadcast(data, src=self.process_group.ranks[0])
-                else:
-                    # Collectives take contiguous arrays only; a transposed buffer goes through
-                    # a contiguous copy.
-                    tmp = b.device.xp.ascontiguousarray(data)
-                    self.process_group.broadcast(tmp, src=self.process_group.ranks[0])
-                    data[...] = tmp
+            self._broadcast_buffers(src)
         return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self, src: int) -> None:
+        for _, b in self.module.named_buffers():
+            data = b.data
+            if data.flags.c_contiguous:
+                self.process_group.broadcast(data, src=src)
+            else:
+                # Collectives take contiguous arrays only; a transposed buffer goes through
+                # a contiguous copy.
+                tmp = b.device.xp.ascontiguousarray(data)
+                self.process_group.broadcast(tmp, src=src)
+                data[...] = tmp
 
     def _on_grad_ready(self, p: Any) -> None:
         bi, j = self._loc[id(p)]
@@ -432,6 +468,10 @@ class DistributedDataParallel(Module):
                 out = work.wait()
                 if out is not b.buffer:
                     b.buffer[...] = out if b.device.type == "cpu" else b.device.xp.asarray(out)
+                if self._grad_scale != 1.0:
+                    # Under join with k of N ranks active: the hook averaged over N, the
+                    # average over the k ranks that had data is N/k times that.
+                    b.buffer *= b.buffer.dtype.type(self._grad_scale)
             self.process_group.all_reduce(control, ReduceOp.SUM)
         except BaseException as exc:
             return exc
