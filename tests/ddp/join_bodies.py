@@ -212,6 +212,22 @@ def mismatched_no_sync(seed: int) -> dict[str, Any]:
     return {"message": message}
 
 
+def unused_under_join(seed: int) -> dict[str, Any]:
+    """Without find_unused_parameters, the branch is used at step 0 only; rank 0 has one
+    step, the others three: at step 1 (rank 0 has joined) every rank must raise, naming it."""
+    group = C.get_default_group()
+    ddp = DistributedDataParallel(Net(_widths(3, 6), "float64", seed, branch=True))
+    message = ""
+    try:
+        with join(ddp):
+            for s in range(1 if group.rank == 0 else 3):
+                x, y = _batch(seed, group.rank, s, 0, 2, "float64")
+                ((ddp(x, use_branch=s == 0) - y) ** 2).mean().backward()
+    except RuntimeError as exc:
+        message = str(exc)
+    return {"message": message}
+
+
 def raises_inside(seed: int, victim: int, at: int, catch: bool) -> dict[str, Any]:
     """Rank ``victim`` raises inside the block at step ``at`` (and, unless ``catch``, lets it
     end the process); what each rank saw, and when."""
