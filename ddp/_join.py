@@ -90,6 +90,7 @@ class Join:
                 f"[rank {collectives.get_rank()}] ddp.join: this model is already inside a "
                 "ddp.join block; nest none"
             )
+        self._step, self._uneven, self._last_active = 0, False, []
         self.model._join = self
         return self
 
@@ -311,9 +312,9 @@ def join(
 
     Args:
         model: the DistributedDataParallel model.
-        optimizers: optimizers (or anything with ``state_dict``/``load_state_dict``: a
-            scheduler, a GradScaler) whose state to copy at the end; a rank that ran out
-            missed steps, so its moments and step counts differ.
+        optimizers: one or a list of optimizers (or anything with ``state_dict`` and
+            ``load_state_dict``: a scheduler, a GradScaler) whose state to copy at the end;
+            a rank that ran out missed steps, so its moments and step counts differ.
         throw_on_early_termination: instead, raise on every rank at the first step in which
             some rank has no data (a RuntimeError naming the ranks and the step).
         enable: False makes the block a no-op (as at world size 1).

@@ -22,6 +22,7 @@ import tensorlib as tl
 from ddp import DistributedDataParallel, fp16_compress_hook
 from ddp._join import join
 from tensorlib import Tensor
+from tensorlib.optim.lr_scheduler import StepLR
 
 from .ddp_bodies import D_IN, D_OUT, Net, _digest, _optimizer, _widths
 
@@ -85,6 +86,9 @@ class _Run:
         kind = case.get("opt", "sgd")
         self.opt = _optimizer(kind, list(self.ddp.parameters()))
         self.ref_opt = _optimizer(kind, list(self.ref.parameters()))
+        # A schedule stepped every step: a rank that ran out stepped it fewer times.
+        self.sched = StepLR(self.opt, step_size=4, gamma=0.5) if case.get("sched") else None
+        self.ref_sched = StepLR(self.ref_opt, step_size=4, gamma=0.5) if self.sched else None
         self.init = {n: p.data.copy() for n, p in self.ref.named_parameters()}
         self.buffer_seen: list[float] = []
 
@@ -103,6 +107,8 @@ class _Run:
                     self.buffer_seen.append(float(self.ddp.module.running.data[0]))
                     (((out - y) ** 2).mean() * (1.0 / self.accum)).backward()
             self.opt.step()
+            if self.sched is not None:
+                self.sched.step()
 
     def ref_steps(self, epoch: int, counts: list[int]) -> None:
         """The reference: at step s, one backward over the batches of every rank that has s."""
@@ -120,6 +126,8 @@ class _Run:
             assert loss is not None
             loss.backward()
             self.ref_opt.step()
+            if self.ref_sched is not None:
+                self.ref_sched.step()
 
     def summary(self) -> dict[str, Any]:
         diff = change = 0.0
@@ -132,6 +140,7 @@ class _Run:
         return {
             "digest": _digest(self.ddp.module),
             "opt_digest": _state_digest(self.opt),
+            "sched_digest": _state_digest(self.sched) if self.sched else "",
             "buffers": hashlib.sha256(buffers.tobytes()).hexdigest(),
             "param_diff": diff,
             "param_change": change,
@@ -141,7 +150,8 @@ class _Run:
 # ---------------------------------------------------------------------------- bodies
 def uneven(seed: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: ``counts`` (steps per rank), ``opt``, ``dtype``, ``accum``, ``hook``
-    (fp16), ``branch`` with ``find_unused``. Epoch 0 runs the uneven counts under join, epoch
+    (fp16), ``branch`` with ``find_unused``, ``sched`` (a StepLR stepped every step, also
+    copied at the end). Epoch 0 runs the uneven counts under join, epoch
     1 ``even`` steps on every rank (under join again). Per case: summaries after each epoch
     and the buffer value each forward of this rank saw."""
     out = []
@@ -149,12 +159,13 @@ def uneven(seed: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, case in enumerate(cases):
         run = _Run(seed + i, case, group)
         counts: list[int] = case["counts"]
-        with join(run.ddp, optimizers=[run.opt]):
+        states = [run.opt] + ([run.sched] if run.sched else [])
+        with join(run.ddp, optimizers=states):
             run.ddp_steps(0, counts[group.rank])
         run.ref_steps(0, counts)
         first = run.summary()
         even = case.get("even", 2)
-        with run.ddp.join(optimizers=run.opt):
+        with run.ddp.join(optimizers=states):
             run.ddp_steps(1, even)
         run.ref_steps(1, [even] * group.size)
         out.append({"epoch0": first, "epoch1": run.summary(), "buffer_seen": run.buffer_seen})

@@ -38,7 +38,7 @@ def check_uneven(pool: RankPool, seed: int, cases: list[dict[str, Any]]) -> None
         for epoch in ("epoch0", "epoch1"):
             label = f"{case} on {pool.label}, {epoch}"
             got = [res[i][epoch] for res in per_rank]
-            for key in ("digest", "opt_digest", "buffers"):
+            for key in ("digest", "opt_digest", "sched_digest", "buffers"):
                 assert len({g[key] for g in got}) == 1, f"{label}: {key} differs across ranks"
             for rank, g in enumerate(got):
                 assert g["param_change"] > 1e-3, f"{label}: training did not move"
@@ -65,7 +65,7 @@ UNEVEN: dict[int, list[dict[str, Any]]] = {
         {"counts": [0, 3], "opt": "adam"},  # a rank with no batch at all
     ],
     3: [
-        {"counts": [20, 21, 23], "opt": "adam"},
+        {"counts": [20, 21, 23], "opt": "adam", "sched": True},
         {"counts": [20, 21, 23], "opt": "sgd", "dtype": "float32"},
     ],
     4: [
