@@ -1,8 +1,8 @@
 """ddp: DistributedDataParallel with bucketed, overlapped gradient all-reduce, and helpers.
 
 Helpers in the spirit of PyTorch Ignite's ``idist`` and Horovod: a distributed sampler and
-data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, and rank-0
-atomic checkpoints.
+data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, rank-0
+atomic checkpoints, and ``join`` for uneven inputs.
 """
 
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
@@ -10,6 +10,7 @@ from ._checkpoint import load_checkpoint, save_checkpoint
 from ._data import DataLoader
 from ._ddp import DistributedDataParallel, StepStats
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
+from ._join import Join, join
 from ._sampler import DistributedSampler
 
 __all__ = [
@@ -17,12 +18,14 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
     "GradBucket",
+    "Join",
     "StepStats",
     "allreduce_hook",
     "auto_dataloader",
     "auto_model",
     "auto_optim",
     "fp16_compress_hook",
+    "join",
     "load_checkpoint",
     "one_rank_only",
     "save_checkpoint",

@@ -19,8 +19,7 @@ import numpy as np
 
 import collectives as C
 import tensorlib as tl
-from ddp import DistributedDataParallel, fp16_compress_hook
-from ddp._join import join
+from ddp import DistributedDataParallel, fp16_compress_hook, join
 from tensorlib import Tensor
 from tensorlib.optim.lr_scheduler import StepLR
 

@@ -164,8 +164,7 @@ def test_a_rank_that_raises_inside_join_fails_the_others(catch: bool) -> None:
 
 def test_join_arguments_and_world_size_1() -> None:
     import collectives
-    from ddp import DistributedDataParallel
-    from ddp._join import join
+    from ddp import DistributedDataParallel, join
     from tensorlib import nn
 
     created = not collectives.is_initialized()
