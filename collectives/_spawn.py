@@ -543,7 +543,7 @@ def _start_with_env(
     """Start ``proc`` with ``env`` in its environment from the first instruction.
 
     The variables must be there before the child imports NumPy (OMP_NUM_THREADS) or CUDA
-    starts (CUDA_VISIBLE_DEVICES), which is before ``_child_main`` runs; multiprocessing
+    starts (CUDA_VISIBLE_DEVICES), which is before ``child_main`` runs; multiprocessing
     passes the parent's environment, so it is set around the start and restored.
     """
     saved = {k: os.environ.get(k) for k in [*env, *unset]}

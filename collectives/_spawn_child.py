@@ -1,7 +1,7 @@
 """The child's side of ``spawn``: become rank ``rank``, run ``fn``, carry the outcome home.
 
-:func:`_child_main` is the entry point of every spawned process. It takes the rank's
-environment from its :class:`_ChildSpec`, joins the default group when asked, runs ``fn`` and
+:func:`child_main` is the entry point of every spawned process. It takes the rank's
+environment from its :class:`ChildSpec`, joins the default group when asked, runs ``fn`` and
 sends one JSON report (the value, or the error with its traceback) through the pipe before it
 exits, so the parent knows what happened without unpickling anything.
 """
