@@ -20,7 +20,9 @@ The failure policy, the same for both launchers:
    then says what became of each other rank (:func:`describe_others`): finished, also failed,
    terminated or killed.
 5. ``collectives.run`` exits with that rank's status (:func:`exit_status`: its code, or
-   128 + N for signal N); ``spawn`` raises ``SpawnError``.
+   128 + N for signal N); ``spawn`` raises ``SpawnError``. With restarts allowed, the job
+   starts again instead, as :mod:`collectives._restarts` says, and the last attempt's
+   status or error is the result.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "describe_exit",
     "describe_others",
     "exit_status",
+    "format_banner",
     "format_failure",
     "free_port",
     "gpu_assignment",
@@ -101,11 +104,15 @@ def rank_env(
     master_port: int,
     run_id: str,
     gpu: str | None = None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """The torchrun-compatible variables that describe one rank (read back by ``env://``).
 
     ``gpu`` is the rank's ``CUDA_VISIBLE_DEVICES`` (one entry of :func:`gpu_assignment`); None
-    leaves the inherited value alone.
+    leaves the inherited value alone. ``restart_count`` is the attempt (0 on the first start,
+    see :mod:`collectives._restarts`), exported as ``DPT_RESTART_COUNT`` and torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``; ``max_restarts`` as ``TORCHELASTIC_MAX_RESTARTS``.
     """
     env = {
         "RANK": str(rank),
@@ -121,7 +128,9 @@ def rank_env(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "DPT_RUN_ID": run_id,
-        "DPT_RESTART_COUNT": "0",
+        "DPT_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -403,3 +412,9 @@ def format_failure(failure: Failure, world_size: int, where: str = "") -> str:
     elif failure.note:
         lines.append(failure.note)
     return "\n".join(lines)
+
+
+def format_banner(title: str, body: str) -> str:
+    """A report framed by lines of ``=`` (the title centred in the first), ending in a newline."""
+    head = f" {title} ".center(80, "=")
+    return f"{head}\n{body.rstrip()}\n{'=' * 80}\n"

@@ -2,11 +2,14 @@
 
 Each child gets the environment ``python -m collectives.run`` would give it and ends as the
 launcher's failure policy says (both in :mod:`collectives._launch`). This module holds the
-parent's side (:func:`spawn`, :class:`SpawnContext`, :class:`SpawnError`) and the child's
-(:func:`_child_main`).
+parent's side (:func:`spawn`, :class:`SpawnContext`, :class:`SpawnError`);
+:mod:`collectives._spawn_child` the child's.
 
 Children carry results and errors home as JSON text over a pipe; the parent never unpickles
 anything a child sends.
+
+With ``max_restarts=N`` a failed attempt is printed to stderr and every rank starts again,
+as :mod:`collectives._restarts` says; the results, or the error, are the last attempt's.
 """
 
 from __future__ import annotations
@@ -16,22 +19,20 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Literal, NoReturn, overload
+from typing import Any, Literal, overload
 
-from ._errorfile import ERROR_FILE_ENV, exception_name
+from ._errorfile import ERROR_FILE_ENV
 from ._launch import (
     DEFAULT_GRACE_PERIOD,
     Failure,
     describe_exit,
     describe_others,
+    format_banner,
     format_failure,
     free_port,
     gpu_assignment,
@@ -40,19 +41,23 @@ from ._launch import (
     new_run_id,
     pick_first,
     rank_env,
-    set_parent_death_signal,
     shutdown,
     signal_name,
     thread_env,
 )
+from ._restarts import (
+    attempt_run_id,
+    attempt_title,
+    check_max_restarts,
+    restart_line,
+    wait_groups_gone,
+)
+from ._spawn_child import REPORT_LIMIT, ChildSpec, child_main
 from .backends._shm import remove_run_segments
 
 __all__ = ["DEFAULT_TIMEOUT", "SpawnContext", "SpawnError", "spawn"]
 
 DEFAULT_TIMEOUT = 300.0
-
-# A child's JSON report (result or traceback) larger than this is replaced by a short note.
-_REPORT_LIMIT = 64 << 20
 
 
 # ---------------------------------------------------------------------- errors
@@ -69,6 +74,7 @@ class SpawnError(RuntimeError):
         signal_name: e.g. ``"SIGKILL"`` when it died by a signal, else None.
         exc_type: the qualified name of its exception, when it raised one.
         traceback_text: its formatted traceback, when it raised one.
+        attempts: how many attempts ran (1 without restarts); the rest describes the last.
     """
 
     def __init__(
@@ -79,8 +85,10 @@ class SpawnError(RuntimeError):
         exit_code: int | None = None,
         exc_type: str | None = None,
         traceback_text: str | None = None,
+        attempts: int = 1,
     ) -> None:
         super().__init__(message)
+        self.attempts = attempts
         self.rank = rank
         self.exit_code = exit_code
         self.signal_name = (
@@ -91,113 +99,6 @@ class SpawnError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- the child's side
-@dataclass(frozen=True)
-class _ChildSpec:
-    """What a child needs to become rank ``rank`` (pickled to it at the start)."""
-
-    rank: int
-    env: dict[str, str]
-    unset: tuple[str, ...]
-    init: bool
-    backend: str | None
-    timeout: float
-    parent_pid: int
-    death_signal: bool
-
-
-def _error_report(exc: BaseException, tb: TracebackType | None) -> dict[str, Any]:
-    return {
-        "status": "error",
-        "exc_type": exception_name(type(exc)),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
-        "time": time.time(),
-    }
-
-
-def _send(conn: multiprocessing.connection.Connection, report: dict[str, Any]) -> None:
-    try:
-        data = json.dumps(report).encode()
-    except (TypeError, ValueError):  # the value is not JSON: say so, keep the rank's success
-        data = json.dumps({**report, "value": None, "json": False}).encode()
-    if len(data) > _REPORT_LIMIT:
-        data = json.dumps({**report, "value": None, "json": False, "traceback": ""}).encode()
-    try:
-        conn.send_bytes(data)
-    except OSError:
-        pass  # the parent is gone or stopped listening; nothing left to tell
-
-
-def _destroy_quietly() -> None:
-    with contextlib.suppress(Exception):
-        from . import _api
-
-        _api.destroy_process_group()
-
-
-def _child_main(
-    spec: _ChildSpec,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    conn: multiprocessing.connection.Connection,
-) -> None:
-    """Entry point of a spawned rank (runs in the child)."""
-    # Own process group, so the parent can end this rank and anything it started in one go,
-    # and a Ctrl-C in the terminal reaches only the parent, which then ends the ranks in order.
-    with contextlib.suppress(OSError):
-        os.setsid()
-    if spec.death_signal:
-        set_parent_death_signal(signal.SIGKILL, spec.parent_pid)
-    # The parent set these before the start; forkserver children inherit another environment.
-    os.environ.update(spec.env)
-    for key in spec.unset:
-        os.environ.pop(key, None)
-
-    initialized = False
-    try:
-        if spec.init:
-            from . import _api
-
-            _api.init_process_group(backend=spec.backend, timeout=spec.timeout)
-            initialized = True
-        value = fn(spec.rank, *args)
-    except SystemExit as exc:
-        if exc.code is not None and exc.code != 0:
-            code = exc.code if isinstance(exc.code, int) else 1
-            _report_and_exit(conn, exc, code, destroy_group=initialized)
-        value = None
-    except BaseException as exc:
-        _report_and_exit(conn, exc, 1, destroy_group=initialized)
-    try:
-        if initialized:
-            from . import _api
-
-            _api.destroy_process_group()
-    except BaseException as exc:
-        _report_and_exit(conn, exc, 1, destroy_group=False)
-    _send(conn, {"status": "ok", "json": True, "value": value})
-    conn.close()
-
-
-def _report_and_exit(
-    conn: multiprocessing.connection.Connection,
-    exc: BaseException,
-    code: int,
-    *,
-    destroy_group: bool,
-) -> NoReturn:
-    """Send ``exc`` home, then clean up and exit with ``code``.
-
-    The report goes first, before the group is destroyed: the parent can stop the other ranks
-    right away.
-    """
-    _send(conn, _error_report(exc, exc.__traceback__))
-    if destroy_group:
-        _destroy_quietly()
-    conn.close()
-    sys.exit(code)
-
-
 # ---------------------------------------------------------------------- the parent's side
 class _MPChild:
     """A multiprocessing.Process seen through the :class:`ProcLike` protocol."""
@@ -269,7 +170,7 @@ class SpawnContext:
             return
         try:
             while conn.poll(0):
-                data = conn.recv_bytes(_REPORT_LIMIT + 4096)
+                data = conn.recv_bytes(REPORT_LIMIT + 4096)
                 try:
                     report = json.loads(data.decode("utf-8", errors="replace"))
                 except ValueError:
@@ -402,6 +303,7 @@ def spawn(
     start_method: str = "spawn",
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    max_restarts: int = 0,
 ) -> list[Any] | None: ...
 
 
@@ -418,6 +320,7 @@ def spawn(
     start_method: str = "spawn",
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    max_restarts: Literal[0] = 0,
 ) -> SpawnContext: ...
 
 
@@ -433,6 +336,7 @@ def spawn(
     start_method: str = "spawn",
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    max_restarts: int = 0,
 ) -> list[Any] | SpawnContext | None:
     """Run ``fn(rank, *args)`` in ``nprocs`` new processes on this host, one rank each.
 
@@ -453,8 +357,11 @@ def spawn(
         join: wait for the ranks; False returns a :class:`SpawnContext` at once.
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"``. With ``"fork"``
             GPUs are not bound (probing them would initialize CUDA before the fork).
-        master_port: the store's port; None picks a free one.
+        master_port: the store's port; None picks a free one (a fresh one for each attempt).
         grace_period: seconds between SIGTERM and SIGKILL when ending ranks after a failure.
+        max_restarts: after a failed attempt, print its failure to stderr and start every
+            rank again, up to this many times (``join=True`` only). Attempt k's ranks see
+            ``DPT_RESTART_COUNT=k`` and ``TORCHELASTIC_RESTART_COUNT=k``.
 
     Returns:
         With ``join=True``: the list of per-rank return values, in rank order, when every value
@@ -462,10 +369,55 @@ def spawn(
         keys as strings); None when any is not. With ``join=False``: a :class:`SpawnContext`.
 
     Raises:
-        SpawnError: when a rank fails; the other ranks are ended first. The message names the
-            rank and includes its traceback, or the signal that killed it.
-        ValueError: for an invalid ``nprocs``, ``start_method``, or too few GPUs.
+        SpawnError: when a rank fails (in the last attempt); the other ranks are ended first.
+            The message names the rank and includes its traceback, or the signal that killed
+            it, and says how many attempts ran.
+        ValueError: for an invalid ``nprocs``, ``start_method``, ``max_restarts`` (or one
+            with ``join=False``), or too few GPUs.
     """
+    _check_arguments(fn, nprocs, start_method, join, max_restarts)
+    # Typed as Any: typeshed gives a context chosen by name no Process attribute.
+    ctx: Any = multiprocessing.get_context(start_method)
+    gpus = None if start_method == "fork" else gpu_assignment(nprocs, os.environ)
+    job_id = new_run_id()
+    main_thread = threading.current_thread() is threading.main_thread()
+
+    def start(attempt: int) -> SpawnContext:
+        port = master_port if master_port is not None else free_port()
+        run_id = attempt_run_id(job_id, attempt)
+        specs = [
+            ChildSpec(
+                rank=rank,
+                env=_rank_env_here(
+                    rank,
+                    nprocs,
+                    port,
+                    run_id,
+                    None if gpus is None else gpus[rank],
+                    restart_count=attempt,
+                    max_restarts=max_restarts,
+                ),
+                unset=(ERROR_FILE_ENV,),  # error files belong to an outer launcher's rank
+                init=init,
+                backend=backend,
+                timeout=float(timeout),
+                parent_pid=os.getpid(),
+                # The death signal fires when the starting *thread* ends, and only the main
+                # thread lives as long as the process; forkserver children have another parent.
+                death_signal=main_thread and start_method != "forkserver",
+            )
+            for rank in range(nprocs)
+        ]
+        return _start_children(ctx, fn, tuple(args), specs, grace_period, run_id)
+
+    if not join:
+        return start(0)
+    return _join_with_restarts(start, max_restarts)
+
+
+def _check_arguments(
+    fn: Callable[..., Any], nprocs: int, start_method: str, join: bool, max_restarts: int
+) -> None:
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
     if not callable(fn):
@@ -475,43 +427,60 @@ def spawn(
             f"spawn: start_method {start_method!r} is not available here; choose from "
             f"{multiprocessing.get_all_start_methods()}"
         )
-    # Typed as Any: typeshed gives a context chosen by name no Process attribute.
-    ctx: Any = multiprocessing.get_context(start_method)
-    gpus = None if start_method == "fork" else gpu_assignment(nprocs, os.environ)
-    port = master_port if master_port is not None else free_port()
-    run_id = new_run_id()
-    main_thread = threading.current_thread() is threading.main_thread()
-    specs = [
-        _ChildSpec(
-            rank=rank,
-            env=_rank_env_here(rank, nprocs, port, run_id, None if gpus is None else gpus[rank]),
-            unset=(ERROR_FILE_ENV,),  # error files belong to an outer launcher's rank
-            init=init,
-            backend=backend,
-            timeout=float(timeout),
-            parent_pid=os.getpid(),
-            # The death signal fires when the starting *thread* ends, and only the main
-            # thread lives as long as the process; forkserver children have another parent.
-            death_signal=main_thread and start_method != "forkserver",
+    check_max_restarts(max_restarts, "spawn")
+    if max_restarts > 0 and not join:
+        raise ValueError(
+            "spawn: max_restarts > 0 needs join=True (the restarts happen while spawn waits "
+            "for the ranks); with join=False, call spawn again after a failed join()"
         )
-        for rank in range(nprocs)
-    ]
-    context = _start_children(ctx, fn, tuple(args), specs, grace_period, run_id)
-    if not join:
-        return context
-    try:
-        context.join()
-    except SpawnError:
-        raise
-    except BaseException:
-        # KeyboardInterrupt or similar in the parent: leave no rank behind.
-        context.terminate()
-        raise
-    return context.results
+
+
+def _join_with_restarts(
+    start: Callable[[int], SpawnContext], max_restarts: int
+) -> list[Any] | None:
+    """Start attempt 0, 1, ... until one succeeds or ``max_restarts`` restarts failed too."""
+    attempt = 0
+    while True:
+        context = start(attempt)
+        try:
+            context.join()
+            return context.results
+        except SpawnError as err:
+            # Every rank has exited; what they started goes too, before anything new starts.
+            wait_groups_gone(context.pids())
+            if max_restarts == 0:
+                raise
+            if attempt == max_restarts:
+                outcome = "the failure above is the last attempt's"
+                raise SpawnError(
+                    f"{err}\n{restart_line('spawn', attempt, max_restarts, outcome)}",
+                    rank=err.rank,
+                    exit_code=err.exit_code,
+                    exc_type=err.exc_type,
+                    traceback_text=err.traceback_text,
+                    attempts=attempt + 1,
+                ) from None
+            body = f"{err}\n{restart_line('spawn', attempt, max_restarts, '')}"
+            title = f"spawn: job failed{attempt_title(attempt, max_restarts)}"
+            with contextlib.suppress(OSError, ValueError):  # no stderr: restart all the same
+                sys.stderr.write(format_banner(title, body))
+                sys.stderr.flush()
+            attempt += 1
+        except BaseException:
+            # KeyboardInterrupt or similar in the parent: leave no rank behind, no restart.
+            context.terminate()
+            raise
 
 
 def _rank_env_here(
-    rank: int, nprocs: int, port: int, run_id: str, gpu: str | None
+    rank: int,
+    nprocs: int,
+    port: int,
+    run_id: str,
+    gpu: str | None,
+    *,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """Rank ``rank``'s variables: what ``collectives.run`` gives a worker on one node."""
     env = rank_env(
@@ -525,6 +494,8 @@ def _rank_env_here(
         master_port=port,
         run_id=run_id,
         gpu=gpu,
+        restart_count=restart_count,
+        max_restarts=max_restarts,
     )
     env.update(thread_env(os.environ, nprocs))
     return env
@@ -534,7 +505,7 @@ def _start_children(
     ctx: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    specs: Sequence[_ChildSpec],
+    specs: Sequence[ChildSpec],
     grace_period: float,
     run_id: str,
 ) -> SpawnContext:
@@ -546,7 +517,7 @@ def _start_children(
         for spec in specs:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_child_main,
+                target=child_main,
                 args=(spec, fn, args, writer),
                 name=f"spawn-rank{spec.rank}",
             )
@@ -572,7 +543,7 @@ def _start_with_env(
     """Start ``proc`` with ``env`` in its environment from the first instruction.
 
     The variables must be there before the child imports NumPy (OMP_NUM_THREADS) or CUDA
-    starts (CUDA_VISIBLE_DEVICES), which is before ``_child_main`` runs; multiprocessing
+    starts (CUDA_VISIBLE_DEVICES), which is before ``child_main`` runs; multiprocessing
     passes the parent's environment, so it is set around the start and restored.
     """
     saved = {k: os.environ.get(k) for k in [*env, *unset]}

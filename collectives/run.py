@@ -13,20 +13,26 @@ wrote, else from the tail of its stderr), and exits with its exit code (128 + N 
 SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to the workers the same way; a
 second one kills them at once. Workers get SIGKILL if the launcher itself dies (Linux).
 
+Restarts (``--max-restarts N``, one node): after a failed attempt is reported, the whole job
+starts again, up to N times, with ``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` set to
+the attempt; nothing of the old attempt is left (its processes, segments, error files; the
+port is fresh unless ``--master-port`` was given). A signal to the launcher ends the job
+without a restart; the exit code is the last attempt's. See :mod:`collectives._restarts`.
+
 Workers' stdout is inherited; their stderr goes through the launcher unchanged (raw bytes, so
 ``\\r`` progress bars still work), keeping the last 64 KiB per rank for the report.
 
 The policy's pieces (rank environment, GPU binding, shutdown, the report) live in
-:mod:`collectives._launch`, shared with ``spawn``. :func:`free_port` is exported here for code
+:mod:`collectives._launch`, shared with ``spawn``; the options and their checks in
+:mod:`collectives._launch_args`. :func:`free_port` is exported here for code
 that starts ranks itself (``from collectives.run import free_port``).
 
 Example:
-    python -m collectives.run --nproc-per-node 4 train.py --epochs 3
+    python -m collectives.run --nproc-per-node 4 --max-restarts 2 train.py --epochs 3
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import selectors
@@ -45,17 +51,16 @@ from typing import IO
 
 from ._errorfile import ERROR_FILE_ENV, extract_traceback, read_error_file
 from ._launch import (
-    DEFAULT_GRACE_PERIOD,
     Failure,
     describe_exit,
     describe_others,
     exit_status,
+    format_banner,
     format_failure,
     free_port,
     gpu_assignment,
     killed_hint,
     load_prctl,
-    new_run_id,
     pick_first,
     rank_env,
     set_parent_death_signal,
@@ -64,48 +69,15 @@ from ._launch import (
     signal_name,
     thread_env,
 )
+from ._launch_args import PROG, LaunchConfig, parse_args
+from ._restarts import attempt_run_id, attempt_title, restart_line, wait_groups_gone
 from .backends._shm import remove_run_segments
 
-__all__ = ["LaunchConfig", "free_port", "main"]
+__all__ = ["LaunchConfig", "free_port", "main", "parse_args"]
 
-PROG = "collectives.run"
 TAIL_BYTES = 64 * 1024
 _POLL_S = 0.05
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What to start and where it sits in the job.
-
-    Attributes:
-        target: the script path, or the module name when ``module`` is True.
-        target_args: its command-line arguments.
-        module: run ``python -m target`` instead of a script.
-        nproc_per_node: workers on this node.
-        nnodes: nodes in the job (each runs one launcher with the same ``nproc_per_node``).
-        node_rank: this node's index; its workers get ranks ``node_rank * nproc_per_node + i``.
-        master_addr: rank 0's host.
-        master_port: rank 0's store port.
-        grace_period: seconds between SIGTERM and SIGKILL when ending workers.
-        run_id: the job's id (DPT_RUN_ID).
-    """
-
-    target: str
-    target_args: tuple[str, ...]
-    module: bool
-    nproc_per_node: int
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    grace_period: float
-    run_id: str
-
-    @property
-    def world_size(self) -> int:
-        """Total number of ranks."""
-        return self.nnodes * self.nproc_per_node
 
 
 @dataclass
@@ -123,123 +95,6 @@ class _Worker:
 
     def poll(self) -> int | None:
         return self.proc.poll()
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {PROG}",
-        description="Start one worker process per rank with a torchrun-compatible "
-        "environment; end them all and report the failed rank's traceback on the first "
-        "failure.",
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=_positive_int,
-        default=1,
-        help="workers to start on this node (default 1)",
-    )
-    p.add_argument(
-        "--nnodes",
-        type=_positive_int,
-        default=1,
-        help="nodes in the job; each runs this launcher (default 1)",
-    )
-    p.add_argument(
-        "--node-rank",
-        "--node_rank",
-        type=int,
-        default=0,
-        help="this node's index in [0, nnodes) (default 0)",
-    )
-    p.add_argument(
-        "--master-addr",
-        "--master_addr",
-        default=None,
-        help="rank 0's host (default 127.0.0.1 on one node; required with --nnodes > 1)",
-    )
-    p.add_argument(
-        "--master-port",
-        "--master_port",
-        type=int,
-        default=None,
-        help="rank 0's store port (default: a free port on one node; required with --nnodes > 1)",
-    )
-    p.add_argument(
-        "--standalone",
-        action="store_true",
-        help="one node with a free port (the default when --nnodes is 1; for torchrun scripts)",
-    )
-    p.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="restarts after a failure; only 0 is supported",
-    )
-    p.add_argument(
-        "--grace-period",
-        type=float,
-        default=DEFAULT_GRACE_PERIOD,
-        help=f"seconds between SIGTERM and SIGKILL when ending workers (default "
-        f"{DEFAULT_GRACE_PERIOD:g})",
-    )
-    p.add_argument("--run-id", "--run_id", default=None, help="job id exported as DPT_RUN_ID")
-    p.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="run the target as a module, like `python -m`",
-    )
-    p.add_argument("target", metavar="script.py|module", help="the training script or module")
-    p.add_argument("target_args", metavar="args", nargs=argparse.REMAINDER, help="its arguments")
-    return p
-
-
-def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
-    """Turn the command line into a :class:`LaunchConfig` (exits with status 2 on bad input)."""
-    parser = _parser()
-    ns = parser.parse_args(argv)
-    if ns.max_restarts != 0:
-        parser.error("--max-restarts: only 0 is supported (the job ends on the first failure)")
-    if not ns.grace_period >= 0:
-        parser.error(f"--grace-period must be >= 0, got {ns.grace_period}")
-    if not 0 <= ns.node_rank < ns.nnodes:
-        parser.error(f"--node-rank must be in [0, {ns.nnodes}), got {ns.node_rank}")
-    if ns.master_port is not None and not 0 < ns.master_port < 65536:
-        parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
-    if ns.nnodes > 1:
-        if ns.standalone:
-            parser.error("--standalone means one node; it cannot be used with --nnodes > 1")
-        if ns.master_addr is None or ns.master_port is None:
-            parser.error(
-                "--nnodes > 1 needs --master-addr and --master-port (rank 0's host and a port "
-                "that every node can reach)"
-            )
-    addr = ns.master_addr or "127.0.0.1"
-    port = ns.master_port if ns.master_port is not None else free_port("127.0.0.1")
-    return LaunchConfig(
-        target=ns.target,
-        target_args=tuple(ns.target_args),
-        module=ns.module,
-        nproc_per_node=ns.nproc_per_node,
-        nnodes=ns.nnodes,
-        node_rank=ns.node_rank,
-        master_addr=addr,
-        master_port=port,
-        grace_period=float(ns.grace_period),
-        run_id=ns.run_id or new_run_id(),
-    )
 
 
 class _Signals:
@@ -280,6 +135,8 @@ class _Supervisor:
         self.host = socket.gethostname()
         self._at_line_start = True  # whether the forwarded stderr ended with a newline
         self._signals_handled = 0  # launcher signals already acted on; one more means SIGKILL
+        self.attempt = 0  # 0 on the first start, k on restart k
+        self._restart = False  # the attempt just ended failed and may be restarted
 
     # ------------------------------------------------------------------ output
     def _say(self, text: str) -> None:
@@ -332,7 +189,7 @@ class _Supervisor:
             worker.fd = None
 
     # ------------------------------------------------------------------ start
-    def _start(self, errdir: Path, gpus: list[str] | None) -> None:
+    def _start(self, errdir: Path, gpus: list[str] | None, run_id: str, port: int) -> None:
         cfg = self.cfg
         python = [sys.executable, "-u"]
         cmd = [*python, "-m", cfg.target] if cfg.module else [*python, cfg.target]
@@ -358,9 +215,11 @@ class _Supervisor:
                     node_rank=cfg.node_rank,
                     nnodes=cfg.nnodes,
                     master_addr=cfg.master_addr,
-                    master_port=cfg.master_port,
-                    run_id=cfg.run_id,
+                    master_port=port,
+                    run_id=run_id,
                     gpu=None if gpus is None else gpus[local_rank],
+                    restart_count=self.attempt,
+                    max_restarts=cfg.max_restarts,
                 )
             )
             error_file = errdir / f"rank{rank}.json"
@@ -393,26 +252,48 @@ class _Supervisor:
         except ValueError as exc:
             self._say(f"{PROG}: error: {exc}\n")
             return 2
-        errdir = Path(tempfile.mkdtemp(prefix="dpt-run-"))
         self.signals.install()
         try:
+            while True:
+                code = self._attempt(gpus)
+                if not self._restart:
+                    return code
+                self.attempt += 1
+                if self.signals.received:  # arrived while the failed attempt was cleaned up
+                    sig = self.signals.received[0]
+                    self._say(f"{PROG}: received {signal_name(sig)}; not restarting\n")
+                    return 128 + sig
+        finally:
+            self.selector.close()
+            self.signals.restore()
+
+    def _attempt(self, gpus: list[str] | None) -> int:
+        """Start every worker once and see the attempt to its end; nothing of it is left."""
+        cfg = self.cfg
+        self._restart = False
+        self.workers = []
+        run_id = attempt_run_id(cfg.run_id, self.attempt)
+        # The first attempt's port was chosen (or given) with the command line.
+        port = cfg.master_port if self.attempt == 0 or cfg.fixed_port else free_port("127.0.0.1")
+        errdir = Path(tempfile.mkdtemp(prefix="dpt-run-"))
+        try:
             try:
-                self._start(errdir, gpus)
+                self._start(errdir, gpus, run_id, port)
             except OSError as exc:
                 self._say(f"{PROG}: error: could not start rank {len(self.workers)}: {exc}\n")
                 return 1
             return self._monitor()
         finally:
-            # Whatever happened (even an error in the launcher), no worker outlives it.
+            # Whatever happened (even an error in the launcher), no worker outlives it, and
+            # the next attempt finds no process, segment or error file of this one.
             if self.workers:
                 shutdown(self.workers, min(cfg.grace_period, 1.0), wait=self._drain)
             self._drain_all()
             for w in self.workers:
                 self._close_fd(w)
-            self.selector.close()
-            self.signals.restore()
+            wait_groups_gone([w.pid for w in self.workers])
             shutil.rmtree(errdir, ignore_errors=True)
-            remove_run_segments(cfg.run_id)
+            remove_run_segments(run_id)
 
     def _monitor(self) -> int:
         while True:
@@ -486,11 +367,17 @@ class _Supervisor:
         )
         rc = first.returncode if first.returncode is not None else 1
         code = exit_status(rc)
+        last = restart_line(PROG, self.attempt, cfg.max_restarts, f"{PROG} exits with code {code}")
+        self._restart = self.attempt < cfg.max_restarts
+        if self._restart and self.signals.received:
+            self._restart = False
+            sig = signal_name(self.signals.received[0])
+            last = f"{PROG} received {sig}: no restart; {PROG} exits with code {code}"
         self._report(
-            "job failed",
+            f"job failed{attempt_title(self.attempt, cfg.max_restarts)}",
             f"{format_failure(first, cfg.world_size, where)}\n"
             f"other ranks on this node: {others}\n"
-            f"{PROG} exits with code {code}",
+            f"{last}",
         )
         return code
 
@@ -514,10 +401,11 @@ class _Supervisor:
                 state = describe_exit(rc)
             parts.append(f"rank {w.rank} {state}")
         code = 128 + sig
+        no_restart = "no restart; " if cfg.max_restarts > 0 else ""
         self._report(
-            "job interrupted",
+            f"job interrupted{attempt_title(self.attempt, cfg.max_restarts)}",
             f"{PROG} received {signal_name(sig)}; ranks: {'; '.join(parts)}\n"
-            f"{PROG} exits with code {code}",
+            f"{no_restart}{PROG} exits with code {code}",
         )
         return code
 
@@ -529,9 +417,7 @@ class _Supervisor:
         self._drain(seconds)
 
     def _report(self, title: str, body: str) -> None:
-        bar = "=" * 80
-        head = f" {PROG}: {title} ".center(80, "=")
-        self._say(f"{head}\n{body.rstrip()}\n{bar}\n")
+        self._say(format_banner(f"{PROG}: {title}", body))
 
 
 def _stderr_bytes() -> IO[bytes]:
@@ -553,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 when every worker exited 0; the first failed worker's exit code (128 + N when it died
-        by signal N); 128 + N when the launcher got signal N; 2 for a usage error.
+        by signal N); 128 + N when the launcher got signal N; 2 for a usage error. With
+        ``--max-restarts``, what the last attempt ended with.
     """
     cfg = parse_args(argv)
     return _Supervisor(cfg).run()

@@ -372,7 +372,7 @@ def test_missing_script_is_reported(tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (["--nnodes", "2", "t.py"], "needs --master-addr and --master-port"),
-        (["--max-restarts", "1", "t.py"], "only 0 is supported"),
+        (["--max-restarts", "-1", "t.py"], "expected a number of restarts (an integer >= 0)"),
         (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank must be in [0, 2)"),
         (["--nproc-per-node", "0", "t.py"], "expected a positive integer"),
         (["--grace-period", "-1", "t.py"], "--grace-period must be >= 0"),
@@ -392,6 +392,7 @@ def test_parse_defaults_and_torchrun_spellings() -> None:
     assert cfg.target == "t.py" and cfg.target_args == ("--nproc-per-node", "9")
     assert cfg.master_addr == "127.0.0.1" and 0 < cfg.master_port < 65536
     assert cfg.grace_period == 5.0 and not cfg.module
+    assert cfg.max_restarts == 0 and not cfg.fixed_port
 
 
 # ---------------------------------------------------------------------- GPU binding
