@@ -43,6 +43,7 @@ class Parallel:
         master_port: int | None = None,
         start_method: str = "spawn",
         grace_period: float = DEFAULT_GRACE_PERIOD,
+        max_restarts: int = 0,
     ) -> None:
         """Describe the job; nothing starts before ``__enter__``/:meth:`run`.
 
@@ -53,6 +54,9 @@ class Parallel:
             master_port: the store's port when spawning (None picks a free one).
             start_method: multiprocessing start method when spawning.
             grace_period: seconds between SIGTERM and SIGKILL after a failure.
+            max_restarts: when spawning, start the whole job again up to this many times
+                after a failed attempt (``spawn(max_restarts=...)``); a launched job restarts
+                through its launcher (``collectives.run --max-restarts``) instead.
 
         Raises:
             ValueError: when ``nproc_per_node`` is not a positive int.
@@ -71,6 +75,7 @@ class Parallel:
         self.master_port = master_port
         self.start_method = start_method
         self.grace_period = grace_period
+        self.max_restarts = max_restarts
         self.mode: str | None = None  # "spawn", "launched" or "serial" once entered
         self._owns_group = False
 
@@ -131,6 +136,7 @@ class Parallel:
                 start_method=self.start_method,
                 master_port=self.master_port,
                 grace_period=self.grace_period,
+                max_restarts=self.max_restarts,
             )
         from . import _api
 

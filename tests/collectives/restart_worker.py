@@ -146,5 +146,20 @@ def spawned(rank: int, outdir: str, mode: str, fail_rank: int, fail_attempts: st
     return run(outdir, mode, fail_rank, fail_attempts)
 
 
+def parallel_body(local_rank: int, fail_rank: int) -> dict[str, Any]:
+    """Under ``Parallel(nproc_per_node=..., max_restarts=...)`` (the group already exists):
+    ``fail_rank`` raises on attempt 0; every rank returns its attempt and an all-reduce."""
+    import numpy as np
+
+    import collectives
+
+    attempt = int(os.environ["DPT_RESTART_COUNT"])
+    x = np.full(2, local_rank + 1.0)
+    collectives.all_reduce(x)
+    if attempt == 0 and local_rank == fail_rank:
+        raise ValueError(f"planned failure on attempt {attempt}")
+    return {"attempt": attempt, "sum": x.tolist(), "backend": collectives.get_backend()}
+
+
 if __name__ == "__main__":
     run(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 import collectives
-from collectives import SpawnError, spawn
+from collectives import Parallel, SpawnError, spawn
 from collectives.run import free_port, parse_args
 from tests.collectives.harness import leaked_segments, session_run_id
-from tests.collectives.restart_worker import spawned
+from tests.collectives.restart_worker import parallel_body, spawned
 from tests.helpers import run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,6 +287,17 @@ def test_spawn_restarts_a_failed_attempt(
         assert "killed by SIGKILL" in err and (tmp_path / "leftover0").exists()
     assert "spawn: restarting (attempt 2 of 2, DPT_RESTART_COUNT=1)" in err
     assert leaked_segments(job) == [] and leaked_segments(f"{job}.r1") == []
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("_spawn_env")
+def test_parallel_passes_max_restarts_to_spawn(capfd: pytest.CaptureFixture[str]) -> None:
+    with Parallel(backend="cpu", nproc_per_node=2, timeout=20, max_restarts=1) as p:
+        results = p.run(parallel_body, 1)
+    err = capfd.readouterr().err
+    assert results == [{"attempt": 1, "sum": [3.0, 3.0], "backend": "cpu"}] * 2, err
+    assert "ValueError: planned failure on attempt 0" in err
+    assert "spawn: restarting (attempt 2 of 2, DPT_RESTART_COUNT=1)" in err
 
 
 @pytest.mark.timeout(90)
