@@ -361,7 +361,9 @@ def _load_parts(
     undo: list[Any] = []  # (restore function, snapshot) pairs, in load order
     name = "scheduler"
     try:
-        for sched, saved in zip(parts["scheduler"] or [], state["scheduler"] or [], strict=False):
+        for sched, saved in zip(
+            parts["scheduler"] or [], state.get("scheduler") or [], strict=False
+        ):
             undo.append((sched.load_state_dict, sched.state_dict()))
             sched.load_state_dict(saved)
         for name in ("scaler", "loader"):
