@@ -320,3 +320,31 @@ def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
     assert re.search(r"^GradScaler: \d+ of 4 steps skipped", amp, re.M), amp
     # float16 matmuls change the numbers a little, not the training.
     assert _val_loss(amp) == pytest.approx(_val_loss(whole), rel=0.02), (whole, amp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_transformer_restart_resumes_exactly(tmp_path: Path) -> None:
+    """The GPT example with --amp and --grad-accum 2, checkpointing every 3 steps: killed right
+    after the step-6 checkpoint, the restarted attempt ends at step 9 in the state an
+    uninterrupted run reaches (model, AdamW, schedule and scaler resumed, the loader's
+    micro-batch position too)."""
+    common = ["examples/train_transformer_ddp.py", "--steps", "9", "--log-every", "9"]
+    common += ["--no-progress", "--d-model", "32", "--block", "16", "--batch-size", "8"]
+    common += ["--warmup", "2", "--amp", "--grad-accum", "2", "--checkpoint-every", "3"]
+    whole = tmp_path / "whole.npz"
+    _ok(_run([*common, "--checkpoint", str(whole)]))
+    ckpt = tmp_path / "gpt.npz"
+    (tmp_path / "sitecustomize.py").write_text(KILLER)
+    hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    # Checkpoints at steps 0, 3, 6: killed right after the third.
+    killed = _run([*common, "--checkpoint", str(ckpt)], KILL_AFTER_CHECKPOINT="gpt.npz:3", **hooked)
+    assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
+    out = _ok(_run([*common, "--checkpoint", str(ckpt)], DPT_RESTART_COUNT="1"))
+    assert f"resumed from {ckpt} at step 6" in out
+    _same_state(ckpt, whole)
+    import tensorlib as tl
+
+    a, b = tl.load(ckpt), tl.load(whole)
+    assert a["scheduler"] == b["scheduler"] and a["scaler"] == b["scaler"]
+    assert a["loader"] == b["loader"] == {"epoch": 0, "batches_done": 18}
