@@ -151,7 +151,7 @@ def _arm_kill_in_fsync() -> dict[str, bool]:
     flag = {"armed": False}
     real = os.fsync
 
-    def fsync(fd: int) -> None:
+    def fsync(fd: Any) -> None:
         if flag["armed"]:
             os.kill(os.getpid(), signal.SIGKILL)
         real(fd)
@@ -207,7 +207,7 @@ def main() -> None:
 
     train(run, step, a.steps, a.every, on_step)
     if rank == 0:
-        np.savez(a.out, **params(run))
+        np.savez(a.out, **params(run))  # type: ignore[arg-type]
     collectives.barrier()
     collectives.destroy_process_group()
 

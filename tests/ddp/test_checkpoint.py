@@ -415,7 +415,7 @@ def test_mismatched_parts_change_nothing(tmp_path: Path) -> None:
     run = rs.build("float64", 1, 0)
     rs.train(run, 0, 4, 0)
     path = tmp_path / "p.npz"
-    rs.save(run, path, 4)
+    rs.save(run, str(path), 4)
     other = rs.build("float64", 1, 0)
     sched_before = other.sched.state_dict()
     with pytest.raises(ValueError, match=r"holds 1 scheduler state\(s\), scheduler= has 2"):
@@ -430,12 +430,12 @@ def test_mismatched_parts_change_nothing(tmp_path: Path) -> None:
         load_checkpoint(path, other.model, generators=[other.gen])
     draws = _draws(rs.build("float64", 1, 0))
     again = rs.build("float64", 1, 0)
-    with pytest.raises(ValueError, match="1 numpy generator state.*generators= has 0"):
+    with pytest.raises(ValueError, match=r"1 numpy generator state.*generators= has 0"):
         load_checkpoint(path, again.model, rng=True)
     assert _draws(again) == draws
     with pytest.raises(TypeError, match="generators\\[0\\] is int"):
         save_checkpoint(path, again.model, generators=[3])
-    with pytest.raises(TypeError, match="loader must be a ddp.DataLoader"):
-        save_checkpoint(path, again.model, loader=[1, 2])
+    with pytest.raises(TypeError, match=r"loader must be a ddp\.DataLoader"):
+        save_checkpoint(path, again.model, loader=[1, 2])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="scheduler\\[0\\] must have state_dict"):
         save_checkpoint(path, again.model, scheduler=object())

@@ -45,9 +45,9 @@ if _spec:
 
 
 def _run(
-    args: list[str], timeout: float = 100, **env_vars: str
+    args: list[str], timeout: float = 100, env_vars: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_vars}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_vars or {})}
     env.pop("RANK", None)  # never look launched to the script
     env.pop("WORLD_SIZE", None)
     return run_to_end([sys.executable, *args], env, timeout)
@@ -207,10 +207,13 @@ def test_a_restarted_run_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(KILLER)
     hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     # Checkpoints at steps 0, 10, 20: killed right after the third.
-    killed = _run([*common, "--checkpoint", str(ckpt)], KILL_AFTER_CHECKPOINT="run.npz:3", **hooked)
+    killed = _run(
+        [*common, "--checkpoint", str(ckpt)],
+        env_vars={"KILL_AFTER_CHECKPOINT": "run.npz:3", **hooked},
+    )
     assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
     assert "resumed" not in killed.stdout
-    out = _ok(_run([*common, "--checkpoint", str(ckpt)], DPT_RESTART_COUNT="1"))
+    out = _ok(_run([*common, "--checkpoint", str(ckpt)], env_vars={"DPT_RESTART_COUNT": "1"}))
     assert f"resumed from {ckpt}: epoch 1 batch 20/23, step 20" in out
     assert _epoch_lines(out) == [1, 2]
     _same_state(ckpt, whole)
@@ -231,7 +234,7 @@ def test_two_ranks_killed_then_resumed_match_the_launched_run(
     common = [SCRIPT, "--nproc", "2", "--epochs", "2", "--no-progress"]
     common += ["--checkpoint-every", "10", "--checkpoint", str(ckpt)]
     # Checkpoints at steps 0, 10, 20, 23 (end of epoch 1), 30: killed after the fifth.
-    killed = _run(common, KILL_AFTER_CHECKPOINT="two.npz:5", **hooked)
+    killed = _run(common, env_vars={"KILL_AFTER_CHECKPOINT": "two.npz:5", **hooked})
     assert killed.returncode != 0, (killed.stdout, killed.stderr)
     out = _ok(_run([*common, "--resume", str(ckpt)]))
     assert f"resumed from {ckpt}: epoch 2 batch 7/23, step 30" in out
@@ -338,9 +341,12 @@ def test_transformer_restart_resumes_exactly(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(KILLER)
     hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     # Checkpoints at steps 0, 3, 6: killed right after the third.
-    killed = _run([*common, "--checkpoint", str(ckpt)], KILL_AFTER_CHECKPOINT="gpt.npz:3", **hooked)
+    killed = _run(
+        [*common, "--checkpoint", str(ckpt)],
+        env_vars={"KILL_AFTER_CHECKPOINT": "gpt.npz:3", **hooked},
+    )
     assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
-    out = _ok(_run([*common, "--checkpoint", str(ckpt)], DPT_RESTART_COUNT="1"))
+    out = _ok(_run([*common, "--checkpoint", str(ckpt)], env_vars={"DPT_RESTART_COUNT": "1"}))
     assert f"resumed from {ckpt} at step 6" in out
     _same_state(ckpt, whole)
     import tensorlib as tl
