@@ -49,6 +49,11 @@ class DataLoader:
       as with a :class:`DistributedSampler`, so one process and N ranks behave alike.
     - otherwise ``0, 1, ..., n - 1``.
 
+    The loader knows its position: :attr:`batches_done` counts the batches the current epoch's
+    iteration has yielded, and :meth:`state_dict`/:meth:`load_state_dict` save and restore
+    ``(epoch, batches_done)``, so that a run resumed mid-epoch gets exactly the batches that
+    had not been consumed, in the same order (``save_checkpoint(..., loader=loader)`` does it).
+
     Example:
         >>> loader = DataLoader((x, y), batch_size=32, shuffle=True)
         >>> for epoch in range(3):
@@ -64,7 +69,7 @@ class DataLoader:
         drop_last: drop the last batch when it is smaller than ``batch_size``.
         seed: base seed of the loader's own permutation.
         device: where the batches' Tensors are created (None: where the arrays are).
-        epoch: the epoch set by :meth:`set_epoch`.
+        epoch: the epoch set by :meth:`set_epoch` (or :meth:`load_state_dict`).
     """
 
     def __init__(
@@ -119,6 +124,8 @@ class DataLoader:
         self.drop_last = bool(drop_last)
         self.device = tl.device(device) if device is not None else None
         self.epoch = 0
+        self._done = 0  # batches the current epoch's iteration has yielded
+        self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         if sampler is not None and self.shuffle:
             raise ValueError(
                 f"{where}: sampler and shuffle=True are mutually exclusive; the sampler decides "
@@ -146,13 +153,18 @@ class DataLoader:
         """Set the epoch; call it at the start of every epoch, with the same value on every rank.
 
         It is forwarded to the sampler (when that has ``set_epoch``) and, with ``shuffle``,
-        seeds the loader's own permutation (``seed + epoch``).
+        seeds the loader's own permutation (``seed + epoch``). Another epoch than the current
+        one starts at its first batch; the current one keeps a position restored by
+        :meth:`load_state_dict`, so a resumed loop can call ``set_epoch`` as always.
 
         Raises:
             TypeError: when ``epoch`` is not an int.
             ValueError: when ``epoch`` is negative.
         """
-        self.epoch = check_int("DataLoader.set_epoch", "epoch", epoch, 0)
+        epoch = check_int("DataLoader.set_epoch", "epoch", epoch, 0)
+        if epoch != self.epoch:
+            self._done = self._resume_at = 0
+        self.epoch = epoch
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self.epoch)
@@ -193,15 +205,70 @@ class DataLoader:
             out.append(tl.tensor(a[index], device=self.device))
         return tuple(out)
 
+    @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch yielded so far (by the latest iteration, or restored)."""
+        return self._done
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch": ..., "batches_done": ...}`` (take it between batches)."""
+        return {"epoch": self.epoch, "batches_done": self._done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next iteration skips the batches done.
+
+        The epoch is set (and forwarded to the sampler) as by :meth:`set_epoch`; the next
+        iteration starts at batch ``batches_done`` of that epoch's order, later ones at the
+        first batch again. The position counts this rank's batches: at another world size it
+        is the same point of the epoch when the global batch (per-rank batch times ranks) is
+        the same, up to the end-of-epoch padding.
+
+        Raises:
+            TypeError: when ``state`` is not such a dict, or its values are not ints.
+            ValueError: for a negative value or more batches than an epoch has.
+        """
+        where = "DataLoader.load_state_dict"
+        if not isinstance(state, dict) or set(state) != {"epoch", "batches_done"}:
+            raise TypeError(
+                f"{where}: expected {{'epoch': int, 'batches_done': int}} from state_dict(), "
+                f"got {state!r:.200}"
+            )
+        epoch = check_int(where, "epoch", state["epoch"], 0)
+        done = check_int(where, "batches_done", state["batches_done"], 0)
+        try:
+            per_epoch: int | None = len(self)
+        except TypeError:
+            per_epoch = None  # a sampler without len(): the iteration just ends early
+        if per_epoch is not None and done > per_epoch:
+            raise ValueError(
+                f"{where}: batches_done={done} but an epoch of this loader has {per_epoch} "
+                f"batches (batch_size={self.batch_size}); was it saved with another batch size?"
+            )
+        self.set_epoch(epoch)
+        self._done = self._resume_at = done
+
     def __iter__(self) -> Iterator[tuple[tl.Tensor, ...]]:
-        """Yield one tuple of Tensors (one per array) per batch."""
+        """Yield one tuple of Tensors (one per array) per batch, from the restored position.
+
+        The order is drawn and the position taken when ``iter()`` is called, not at the first
+        batch.
+        """
         order = self._order()
         total = self._n if order is None else len(order)
+        first, self._resume_at = self._resume_at, 0
+        self._done = first
+        return self._batches(order, total, first)
+
+    def _batches(
+        self, order: _IndexArray | None, total: int, first: int
+    ) -> Iterator[tuple[tl.Tensor, ...]]:
         bs = self.batch_size
         stop = total - total % bs if self.drop_last else total
-        for start in range(0, stop, bs):
+        for start in range(first * bs, stop, bs):
             end = min(start + bs, total)
-            yield self._batch(slice(start, end) if order is None else order[start:end])
+            batch = self._batch(slice(start, end) if order is None else order[start:end])
+            self._done += 1  # before the yield: the loop body sees its own batch counted
+            yield batch
 
     def __len__(self) -> int:
         """Batches per epoch.

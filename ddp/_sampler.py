@@ -46,16 +46,24 @@ class DistributedSampler:
 
     - ``shuffle=True``: the global order is ``numpy.random.default_rng(seed + epoch)
       .permutation(dataset_len)``; ``shuffle=False``: ``0, 1, ..., dataset_len - 1``.
-    - ``drop_last=False``: the order is padded by repeating it from its start up to a multiple
-      of ``num_replicas``, so every rank gets ``ceil(dataset_len / num_replicas)`` indices and
-      a few samples are seen twice per epoch.
-    - ``drop_last=True``: the tail is dropped down to a multiple of ``num_replicas``; every rank
-      gets ``dataset_len // num_replicas`` indices and the ranks' indices are disjoint.
+    - ``drop_last=False`` (padding): the order is extended by repeating it from its start up
+      to a multiple of ``num_replicas``, so every rank gets ``ceil(dataset_len / num_replicas)``
+      indices. The first ``total_size - dataset_len`` indices of the epoch's order are seen
+      twice in that epoch (by the ranks ``dataset_len % num_replicas`` and up); the sum of a
+      metric over all ranks therefore counts them twice. With 10 samples on 4 ranks the order
+      ``o0 .. o9`` becomes ``o0 .. o9, o0, o1``: ranks 2 and 3 get ``o0`` and ``o1`` again.
+    - ``drop_last=True``: the tail is dropped down to a multiple of ``num_replicas`` (the
+      last ``dataset_len % num_replicas`` indices of the epoch's order, a different set each
+      epoch when shuffling); every rank gets ``dataset_len // num_replicas`` indices and the
+      ranks' indices are disjoint.
     - Rank ``r`` takes positions ``r, r + num_replicas, r + 2 * num_replicas, ...``, so
       interleaving the ranks' indices gives back the global order.
 
     Call :meth:`set_epoch` at the start of every epoch: without it every epoch repeats the
-    same order (as with PyTorch's sampler).
+    same order (as with PyTorch's sampler). The sampler has no position of its own: the order
+    is a function of ``(seed, epoch)``, and the :class:`~ddp.DataLoader` that batches it
+    records how many batches of the epoch it has yielded (``DataLoader.state_dict``), which is
+    what a checkpoint saves to resume mid-epoch.
 
     Example:
         >>> sampler = DistributedSampler(10, num_replicas=3, rank=1, shuffle=False)

@@ -22,13 +22,28 @@ The same script runs in every configuration:
     # continue a finished or interrupted run from its checkpoint, up to epoch 40:
     python examples/train_ddp.py --nproc 2 --resume runs/train_ddp.npz --epochs 40
 
+    # checkpoint every 10 steps too; a restarted job (the launcher's --max-restarts) resumes
+    # from the latest checkpoint, mid-epoch, exactly where the failed attempt was:
+    python -m collectives.run --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py \
+        --checkpoint-every 10
+
 Each rank trains on its own 1/N of every epoch (a DistributedSampler), with a per-rank batch
 of ``--batch-size / N`` so that the global batch, and with it the learning dynamics, does not
 depend on N. DDP averages the gradients during ``backward()``, so every rank makes the same
 update and the ranks' parameters stay identical. Rank 0 shows the progress bar (stderr), prints
 one line per epoch (train loss averaged over all ranks, test accuracy over the whole test set,
 each rank scoring its own share), and writes the checkpoint (atomically) at the end of every
-epoch. Expect about 97% test accuracy in a few seconds.
+epoch (and every ``--checkpoint-every`` steps). Expect about 97% test accuracy in a few seconds.
+
+Resuming is exact: the checkpoint holds the model, the optimizer, the step, the data loader's
+position in its epoch and every rank's random generators (dropout), so a resumed run makes the
+same updates, bit for bit, as one that was never stopped (the resumed epoch's printed train
+loss averages only the batches after the resume). The rule for where a run starts: a restarted
+attempt (``DPT_RESTART_COUNT`` or ``TORCHELASTIC_RESTART_COUNT`` above 0) resumes from
+``--checkpoint`` when that file exists; otherwise ``--resume PATH`` resumes from PATH; otherwise
+the run starts fresh and at once writes its step-0 checkpoint to ``--checkpoint``, so a later
+restart of this run never picks up a stale file an older run left there. At another world size
+the random generators are not restored (a warning says so) and the dropout masks are reseeded.
 
 The digits (1,797 images, 10 classes) ship inside scikit-learn (BSD licence; a copy of the UCI
 ML hand-written digits data), so nothing is downloaded.
@@ -76,6 +91,7 @@ class Config:
     seed: int = 0
     device: str = "cpu"
     checkpoint: str = "runs/train_ddp.npz"
+    checkpoint_every: int = 0  # steps; 0: only at the end of each epoch
     resume: str | None = None
     bucket_cap_mb: float = 25.0
     progress: bool = True
@@ -100,6 +116,19 @@ def rank_device(spec: str, local_rank: int) -> str:
     if spec != "cuda":
         return spec  # an explicit cuda:N
     return f"cuda:{local_rank % tl.cuda_device_count()}"
+
+
+def restart_count() -> int:
+    """Which attempt of the job this is: 0 for the first, N after N restarts by the launcher."""
+    counts = [os.environ.get(k) for k in ("DPT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")]
+    return max((int(c) for c in counts if c and c.isdigit()), default=0)
+
+
+def resume_source(cfg: Config) -> str | None:
+    """The checkpoint this attempt resumes from (see the module docstring), or None."""
+    if restart_count() > 0 and Path(cfg.checkpoint).is_file():
+        return cfg.checkpoint
+    return cfg.resume
 
 
 def progress_bar(it: Any, total: int, desc: str, enabled: bool) -> Any:
@@ -152,20 +181,6 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     model = DistributedDataParallel(make_model(cfg.hidden, device), bucket_cap_mb=cfg.bucket_cap_mb)
     opt = optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-4)
 
-    first_epoch, step = 1, 0
-    if cfg.resume:
-        # Every rank reads the file itself; the weights were identical when saved.
-        state = load_checkpoint(cfg.resume, model, opt, map_location=device)
-        step = int(state["step"])
-        extra = state["extra"] if isinstance(state["extra"], dict) else {}
-        first_epoch = int(extra.get("epoch", 0)) + 1
-        if master:
-            print(f"resumed from {cfg.resume}: epoch {first_epoch - 1}, step {step}", flush=True)
-
-    # Dropout masks should differ between ranks (they see different samples), so reseed per
-    # rank after the model exists; epoch and rank make a resumed run draw fresh masks.
-    tl.manual_seed(cfg.seed + 1000 * first_epoch + rank)
-
     # Rank r takes every N-th index of the epoch's shared permutation (seed + epoch), padded
     # to equal shares so that every rank runs the same number of steps (DDP needs that:
     # each step is a collective).
@@ -173,6 +188,28 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     loader = DataLoader(
         (x_train, y_train), batch_size=per_rank_batch, sampler=sampler, device=device
     )
+
+    first_epoch, step, restored = 1, 0, False
+    source = resume_source(cfg)
+    if source:
+        # Every rank reads the file itself: the weights were identical when saved, and each
+        # rank gets its own random generators back (at the same world size).
+        state = load_checkpoint(source, model, opt, map_location=device, loader=loader, rng=True)
+        step, restored = int(state["step"]), bool(state["rng_restored"])
+        done, per_epoch = loader.batches_done, len(loader)
+        # A finished epoch continues with the next one; an unfinished one where it stopped.
+        first_epoch = loader.epoch + (done == per_epoch)
+        if master:
+            at = f" batch {done}/{per_epoch}" if done < per_epoch else ""
+            print(f"resumed from {source}: epoch {loader.epoch}{at}, step {step}", flush=True)
+    if not restored:
+        # Dropout masks should differ between ranks (they see different samples), so reseed per
+        # rank after the model exists; epoch and rank make a resumed run draw fresh masks.
+        tl.manual_seed(cfg.seed + 1000 * first_epoch + rank)
+    if not source:
+        # This run's own checkpoint at once: a restart never resumes an older run's file.
+        loader.set_epoch(first_epoch)
+        save_checkpoint(cfg.checkpoint, model, opt, step=0, epoch=first_epoch, loader=loader)
 
     if master:
         print(
@@ -184,7 +221,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     start = time.perf_counter()
     acc = float("nan")
     for epoch in range(first_epoch, cfg.epochs + 1):
-        # Without set_epoch every epoch would repeat epoch 0's order.
+        # Without set_epoch every epoch would repeat epoch 0's order (a resumed epoch keeps
+        # its position: it yields only the batches not yet trained on).
         loader.set_epoch(epoch)
         loss_sum, seen = 0.0, 0
         bar = progress_bar(
@@ -198,6 +236,10 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
             step += 1
             loss_sum += loss.item() * len(yb)
             seen += len(yb)
+            every = cfg.checkpoint_every
+            # (The epoch's end saves anyway.)
+            if every and step % every == 0 and loader.batches_done < len(loader):
+                save_checkpoint(cfg.checkpoint, model, opt, step=step, epoch=epoch, loader=loader)
         test_loss, correct = evaluate_share(model, x_test, y_test, rank, world, device)
         # One small all-reduce per epoch sums every rank's counts (float64: exact for these).
         totals = np.array([loss_sum, seen, test_loss, correct], dtype=np.float64)
@@ -205,12 +247,12 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
         acc = totals[3] / len(y_test)
         if master:
             print(
-                f"epoch {epoch:3d}  train loss {totals[0] / totals[1]:.4f}  "
+                f"epoch {epoch:3d}  train loss {totals[0] / max(totals[1], 1):.4f}  "
                 f"test loss {totals[2] / len(y_test):.4f}  test acc {acc:.2%}",
                 flush=True,
             )
         # Every rank calls it (rank 0 writes, atomically; the others wait for the write).
-        save_checkpoint(cfg.checkpoint, model, opt, step=step, extra={"epoch": epoch})
+        save_checkpoint(cfg.checkpoint, model, opt, step=step, epoch=epoch, loader=loader)
 
     if first_epoch > cfg.epochs:  # resumed a run that had already reached --epochs
         _, correct = evaluate_share(model, x_test, y_test, rank, world, device)
@@ -252,12 +294,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="cpu, or cuda for one GPU per rank")
     p.add_argument("--checkpoint", default=d.checkpoint, help="written at the end of each epoch")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="K",
+        help="also write the checkpoint every K steps (0: off); a restarted job resumes from it",
+    )
     p.add_argument("--resume", default=None, metavar="PATH", help="continue from a checkpoint")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         p.error(f"--nproc must be >= 1, got {a.nproc}")
+    if a.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
     if a.nproc is not None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         p.error("--nproc starts ranks itself; under a launcher leave it out")
     if a.nproc is not None and a.batch_size % a.nproc:
@@ -270,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         seed=a.seed,
         device=a.device,
         checkpoint=a.checkpoint,
+        checkpoint_every=a.checkpoint_every,
         resume=a.resume,
         bucket_cap_mb=a.bucket_cap_mb,
         progress=not a.no_progress,

@@ -18,6 +18,10 @@
     # one GPU per rank:
     python -m collectives.run --nproc-per-node 8 examples/train_transformer_ddp.py --device cuda
 
+    # checkpoint every 50 steps; a restarted job resumes from the latest one, exactly:
+    python -m collectives.run --nproc-per-node 2 --max-restarts 3 \
+        examples/train_transformer_ddp.py --checkpoint-every 50
+
 The model is a pre-LayerNorm causal transformer written with tensorlib's nn layers
 (Embedding, Linear, LayerNorm, GELU) and attention spelled out with matmuls and softmax.
 
@@ -37,6 +41,12 @@ with a ``GradScaler`` (a step whose gradients overflowed is skipped on every ran
 prints the training loss averaged over the ranks, the learning rate, the time per step and
 how long each step's backward waited for the last gradient buckets, then a validation loss
 (computed in float32) and a short sample of generated text.
+
+With ``--checkpoint-every K`` the run writes ``--checkpoint`` at step 0 and every K steps
+(model, AdamW, schedule, GradScaler, the loader's position, every rank's random generators);
+a restarted attempt (``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` above 0) resumes
+from it and makes the same updates as an uninterrupted run. A fresh attempt never resumes: its
+step-0 checkpoint replaces whatever an older run left at the path.
 """
 
 from __future__ import annotations
@@ -56,7 +66,13 @@ import numpy as np
 import collectives
 import tensorlib as tl
 import tensorlib.functional as F
-from ddp import DataLoader, DistributedDataParallel, DistributedSampler
+from ddp import (
+    DataLoader,
+    DistributedDataParallel,
+    DistributedSampler,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tensorlib import Tensor, nn, optim
 from tensorlib.nn import init
 from tensorlib.nn.utils import clip_grad_norm_
@@ -226,6 +242,8 @@ class Config:
     compare_buckets: bool = False
     log_every: int = 25
     progress: bool = True
+    checkpoint: str = "runs/train_transformer_ddp.npz"
+    checkpoint_every: int = 0  # steps; 0: no checkpoints
 
 
 # Bucket layouts for --compare-buckets: (name, first_bucket_mb, bucket_cap_mb).
@@ -312,12 +330,46 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
 
 
 def batches(loader: DataLoader) -> Any:
-    """Endless batches, reshuffled every epoch (the same epoch number on every rank)."""
-    epoch = 0
+    """Endless batches, reshuffled every epoch (the same epoch number on every rank), from the
+    loader's epoch and position (where a checkpoint left them)."""
+    epoch = loader.epoch
     while True:
         loader.set_epoch(epoch)
         yield from loader
         epoch += 1
+
+
+def checkpoint(tr: Trainer, loader: DataLoader, cfg: Config, step: int) -> None:
+    """Everything the run needs to continue exactly (every rank calls it; rank 0 writes)."""
+    save_checkpoint(
+        cfg.checkpoint,
+        tr.model,
+        tr.opt,
+        step=step,
+        extra={"skipped": tr.skipped},
+        scheduler=tr.sched,
+        scaler=tr.scaler,
+        loader=loader,
+    )
+
+
+def resume(tr: Trainer, loader: DataLoader, cfg: Config, master: bool) -> int:
+    """The step to continue after: a restarted attempt's checkpoint, else 0 (saved now)."""
+    counts = [os.environ.get(k) for k in ("DPT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")]
+    restarted = any(c and c.isdigit() and int(c) > 0 for c in counts)
+    if not cfg.checkpoint_every:
+        return 0
+    if not (restarted and os.path.isfile(cfg.checkpoint)):
+        checkpoint(tr, loader, cfg, 0)  # this run's own: a restart never finds a stale one
+        return 0
+    state = load_checkpoint(
+        cfg.checkpoint, tr.model, tr.opt, scheduler=tr.sched, scaler=tr.scaler,
+        loader=loader, rng=True,
+    )  # fmt: skip
+    tr.skipped = int(state["extra"]["skipped"])
+    if master:
+        print(f"resumed from {cfg.checkpoint} at step {state['step']}", flush=True)
+    return int(state["step"])
 
 
 def train(local_rank: int, cfg: Config) -> dict[str, Any]:
@@ -363,6 +415,7 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
         {"backward": [], "wait": [], "step": [], "arrive": []} for _ in layouts
     ]
     warmup = min(5, cfg.steps // 5)  # first steps pay for allocation and page faults
+    start = resume(trainers[0], loader, cfg, master)
     it = batches(loader)
     bar: Any = None
     if cfg.progress and master:
@@ -374,7 +427,7 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
             pass
     loss_sums = np.zeros(len(layouts))
     since = 0
-    for step in range(1, cfg.steps + 1):
+    for step in range(start + 1, cfg.steps + 1):
         micro = [next(it) for _ in range(cfg.grad_accum)]
         # Rotate which layout goes first so machine noise does not favour one of them.
         for k in [(step + j) % len(layouts) for j in range(len(layouts))]:
@@ -388,6 +441,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
         since += 1
         if bar is not None:
             bar.update(1)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            checkpoint(trainers[0], loader, cfg, step)
         if step % cfg.log_every == 0 or step == cfg.steps:
             # Average the loss over ranks only when printing: one small all-reduce.
             collectives.all_reduce(loss_sums, op="avg")
@@ -542,6 +597,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         "how long backward waits for communication",
     )
     p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--checkpoint", default=d.checkpoint, help="with --checkpoint-every")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="K",
+        help="write --checkpoint every K steps (0: never); a restarted job resumes from it",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
@@ -552,8 +615,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         p.error(f"--batch-size {a.batch_size} (global) must be divisible by --nproc {a.nproc}")
     if a.steps < 1 or a.log_every < 1 or a.grad_accum < 1:
         p.error("--steps, --log-every and --grad-accum must be >= 1")
-    if a.warmup < 0 or a.clip < 0:
-        p.error("--warmup and --clip must be >= 0")
+    if a.warmup < 0 or a.clip < 0 or a.checkpoint_every < 0:
+        p.error("--warmup, --clip and --checkpoint-every must be >= 0")
+    if a.checkpoint_every and a.compare_buckets:
+        p.error("--checkpoint-every saves one model; --compare-buckets trains three")
     cfg = replace(
         d,
         steps=a.steps,
@@ -574,6 +639,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         compare_buckets=a.compare_buckets,
         log_every=a.log_every,
         progress=not a.no_progress,
+        checkpoint=a.checkpoint,
+        checkpoint_every=a.checkpoint_every,
     )
     return cfg, a.nproc
 

@@ -1,10 +1,13 @@
-"""``save_checkpoint``/``load_checkpoint``: round trips, exact resume, wrappers, errors, and a
-multi-rank run in which only rank 0 writes and every rank loads the same state."""
+"""``save_checkpoint``/``load_checkpoint``: round trips, exact resume, wrappers, errors, a
+multi-rank run in which only rank 0 writes and every rank loads the same state, the per-rank
+random generator states and their world-size rule, and format 1 files."""
 
 from __future__ import annotations
 
 import os
+import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import collectives
 import tensorlib as tl
 from ddp._checkpoint import FORMAT, load_checkpoint, save_checkpoint
 from tensorlib import nn, optim
+from tests.ddp import resume_script as rs
 from tests.helpers import DEVICES
 
 
@@ -111,7 +115,7 @@ def test_model_only_and_map_location(tmp_path: Path) -> None:
     save_checkpoint(path, model)
     fresh, opt = make(3)
     out = load_checkpoint(str(path), fresh, map_location="cpu")
-    assert out == {"step": 0, "extra": None}
+    assert out == {"step": 0, "epoch": 0, "extra": None, "rng_restored": False}
     assert_same(params(fresh), params(model))
     with pytest.raises(ValueError, match="holds no optimizer state"):
         load_checkpoint(path, fresh, opt)
@@ -296,3 +300,142 @@ def test_rank0_writes_every_rank_loads(tmp_path: Path) -> None:
     assert r1["error"].startswith("RuntimeError: save_checkpoint: rank 0 failed to write")
     assert "cannot save object" in r1["error"]
     assert r0["files"] == r1["files"] == sorted(f"{n}.npz" for n in names)
+
+
+# ---------------------------------------------------------------------- exact resume
+def _draws(run: rs.Run) -> list[float]:
+    """The next value of every generator a script draws from."""
+    return [
+        float(tl.rand(1).item()),
+        float(np.random.random()),
+        float(run.gen.random()),
+        random.random(),
+    ]
+
+
+def _resume_body(rank: int, directory: str, dtype: str, save_at: int, steps: int) -> Any:
+    """Train to ``steps`` saving at ``save_at``; then rebuild, scramble the generators, load and
+    train again from the checkpoint. Both final states and the draws after each are returned."""
+    world = collectives.get_world_size()
+    path = str(Path(directory) / "resume.npz")
+
+    def on_step(when: str, s: int) -> None:
+        if when == "after" and s == save_at:
+            rs.save(run, path, s)
+
+    run = rs.build(dtype, world, rank)
+    rs.train(run, 0, steps, 0, on_step)
+    whole = {k: v.tolist() for k, v in rs.params(run).items()}
+    after_whole = _draws(run)
+
+    run = rs.build(dtype, world, rank)
+    tl.manual_seed(12345)  # what the restarted script might draw before loading
+    np.random.seed(6789)
+    start = rs.load(run, path)
+    rs.train(run, start, steps, 0)
+    return {
+        "start": start,
+        "whole": whole,
+        "resumed": {k: v.tolist() for k, v in rs.params(run).items()},
+        "draws": [after_whole, _draws(run)],
+        "loader": run.loader.state_dict(),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("save_at", [1, 5, 12, 13])  # 12 batches per epoch: 12 ends one
+def test_everything_resumes_bitwise_in_one_process(
+    tmp_path: Path, dtype: str, save_at: int
+) -> None:
+    out = _resume_body(0, str(tmp_path), dtype, save_at, 20)
+    assert out["start"] == save_at
+    assert out["resumed"] == out["whole"]  # parameters, bit for bit
+    assert out["draws"][0] == out["draws"][1]  # every generator is where it would have been
+    assert out["loader"] == {"epoch": 1, "batches_done": 8}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("_clean_env")
+def test_every_rank_gets_its_own_random_streams_back(tmp_path: Path) -> None:
+    """At the world size of the save each rank restores its own generators (they differ)."""
+    results = collectives.spawn(
+        _resume_body, args=(str(tmp_path), "float64", 7, 11), nprocs=2, backend="cpu"
+    )
+    assert results is not None
+    for r in results:
+        assert r["resumed"] == r["whole"] and r["draws"][0] == r["draws"][1]
+    assert results[0]["draws"][0] != results[1]["draws"][0]  # the ranks' streams differ
+    assert results[0]["resumed"] == results[1]["resumed"]  # DDP kept the weights equal
+
+    # The same file at world size 1: everything but the random streams loads, and it says so.
+    before = _draws(rs.build("float64", 1, 0))
+    run = rs.build("float64", 1, 0)  # the same generators again
+    with pytest.warns(RuntimeWarning, match="saved by 2 rank.*this job has 1.*not restored"):
+        state = load_checkpoint(
+            tmp_path / "resume.npz", run.model, run.opt, scheduler=run.sched,
+            scaler=run.scaler, loader=run.loader, rng=True, generators=[run.gen],
+        )  # fmt: skip
+    assert state["rng_restored"] is False and state["step"] == 7
+    assert _draws(run) == before  # the generators were left alone
+    assert {k: v.tolist() for k, v in rs.params(run).items()} != results[0]["whole"]
+    assert run.sched.last_epoch == 7 and run.scaler.get_scale() == 2.0**10
+    assert run.loader.state_dict() == {"epoch": 1, "batches_done": 1}  # 6 batches an epoch
+
+
+def test_format_1_files_still_load(tmp_path: Path) -> None:
+    model, opt = make(0)
+    train_step(model, opt, 0)
+    old = tmp_path / "v1.npz"
+    tl.save(
+        {
+            "format": "ddp.checkpoint/1",
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": 3,
+            "extra": {"epoch": 1},
+        },
+        old,
+    )
+    fresh, fresh_opt = make(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = load_checkpoint(old, fresh, fresh_opt)
+    assert out == {"step": 3, "epoch": 0, "extra": {"epoch": 1}, "rng_restored": False}
+    assert_same(params(fresh), params(model))
+    with pytest.warns(RuntimeWarning, match="holds no random generator states"):
+        assert load_checkpoint(old, fresh, rng=True)["rng_restored"] is False
+    sched = optim.lr_scheduler.StepLR(fresh_opt, step_size=2)
+    with pytest.raises(ValueError, match="holds no scheduler state"):
+        load_checkpoint(old, fresh, scheduler=sched)
+    save_checkpoint(old, fresh)
+    assert tl.load(old)["format"] == FORMAT == "ddp.checkpoint/2"
+
+
+def test_mismatched_parts_change_nothing(tmp_path: Path) -> None:
+    run = rs.build("float64", 1, 0)
+    rs.train(run, 0, 4, 0)
+    path = tmp_path / "p.npz"
+    rs.save(run, str(path), 4)
+    other = rs.build("float64", 1, 0)
+    sched_before = other.sched.state_dict()
+    with pytest.raises(ValueError, match=r"holds 1 scheduler state\(s\), scheduler= has 2"):
+        load_checkpoint(path, other.model, scheduler=[other.sched, other.sched])
+    off = tl.amp.GradScaler(enabled=True)
+    tl.save({**tl.load(path), "scaler": {}}, path)  # as if saved from a disabled scaler
+    with pytest.raises(ValueError, match="the scaler state does not match"):
+        load_checkpoint(path, other.model, other.opt, scheduler=other.sched, scaler=off)
+    assert other.sched.state_dict() == sched_before  # put back after the scaler failed
+    assert other.opt.state == {}
+    with pytest.raises(ValueError, match="generators= are restored with rng=True"):
+        load_checkpoint(path, other.model, generators=[other.gen])
+    draws = _draws(rs.build("float64", 1, 0))
+    again = rs.build("float64", 1, 0)
+    with pytest.raises(ValueError, match=r"1 numpy generator state.*generators= has 0"):
+        load_checkpoint(path, again.model, rng=True)
+    assert _draws(again) == draws
+    with pytest.raises(TypeError, match="generators\\[0\\] is int"):
+        save_checkpoint(path, again.model, generators=[3])
+    with pytest.raises(TypeError, match=r"loader must be a ddp\.DataLoader"):
+        save_checkpoint(path, again.model, loader=[1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="scheduler\\[0\\] must have state_dict"):
+        save_checkpoint(path, again.model, scheduler=object())

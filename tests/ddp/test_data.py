@@ -194,3 +194,69 @@ def test_batches_on_device(device: str) -> None:
     np.testing.assert_array_equal(
         np.concatenate([b[1].numpy() for b in again]), np.concatenate([b[1].numpy() for b in out])
     )
+
+
+def _loaders(kind: str) -> DataLoader:
+    x, y = data(11)
+    if kind == "shuffle":
+        return DataLoader((x, y), batch_size=3, shuffle=True, seed=5)
+    if kind == "sequential-drop-last":
+        return DataLoader((x, y), batch_size=3, drop_last=True)
+    world, rank = (3, 2) if kind == "sampler-3-ranks" else (2, 0)
+    sampler = DistributedSampler(11, num_replicas=world, rank=rank, seed=9)
+    return DataLoader((x, y), batch_size=2, sampler=sampler)
+
+
+@pytest.mark.parametrize(
+    "kind", ["shuffle", "sequential-drop-last", "sampler-2-ranks", "sampler-3-ranks"]
+)
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_resume_at_every_position_gives_the_rest_of_the_epoch(kind: str, epoch: int) -> None:
+    """Stop after k batches (k = 0 .. the whole epoch), restore the position into a new loader:
+    it yields exactly the batches not yet consumed, in order, and the next epoch in full."""
+    whole = _loaders(kind)
+    whole.set_epoch(epoch)
+    expected = rows(whole)
+    whole.set_epoch(epoch + 1)
+    next_epoch = rows(whole)
+    for k in range(len(expected) + 1):
+        first = _loaders(kind)
+        first.set_epoch(epoch)
+        it = iter(first)
+        consumed = [(next(it)[1].numpy() // 10).tolist() for _ in range(k)]
+        assert first.batches_done == k
+        state = first.state_dict()
+        assert state == {"epoch": epoch, "batches_done": k}
+
+        resumed = _loaders(kind)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(epoch)  # what a resumed loop does: the position is kept
+        assert consumed + rows(resumed) == expected, (kind, epoch, k)
+        assert resumed.batches_done == len(expected)
+        assert rows(resumed) == expected  # the position applies to one iteration only
+        resumed.set_epoch(epoch + 1)
+        assert rows(resumed) == next_epoch
+
+
+def test_another_epoch_drops_a_restored_position() -> None:
+    loader = _loaders("shuffle")
+    loader.load_state_dict({"epoch": 2, "batches_done": 3})
+    assert loader.epoch == 2 and loader.batches_done == 3
+    loader.set_epoch(4)
+    assert loader.batches_done == 0 and len(rows(loader)) == 4
+    sampler = DistributedSampler(11, num_replicas=2, rank=1)
+    DataLoader(data(11), batch_size=2, sampler=sampler).load_state_dict(
+        {"epoch": 6, "batches_done": 1}
+    )
+    assert sampler.epoch == 6  # forwarded as by set_epoch
+
+
+def test_bad_positions() -> None:
+    loader = _loaders("shuffle")  # 4 batches an epoch
+    with pytest.raises(ValueError, match="batches_done=5 but an epoch of this loader has 4"):
+        loader.load_state_dict({"epoch": 0, "batches_done": 5})
+    with pytest.raises(TypeError, match="expected"):
+        loader.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="batches_done must be >= 0"):
+        loader.load_state_dict({"epoch": 0, "batches_done": -1})
+    assert loader.state_dict() == {"epoch": 0, "batches_done": 0}  # unchanged

@@ -210,3 +210,17 @@ def test_ranks_agree_across_processes() -> None:
         assert interleaved == expected
         orders.append(interleaved)
     assert orders[0] != orders[1] != orders[2]
+
+
+@pytest.mark.parametrize(("n", "replicas"), [(10, 4), (11, 3), (5, 8), (12, 4)])
+def test_padding_repeats_the_start_on_the_last_ranks(n: int, replicas: int) -> None:
+    """What the docstring promises: the first ``total_size - n`` indices of the epoch's order
+    are seen twice, by the ranks ``n % replicas`` and up (each rank's last index)."""
+    samplers = [DistributedSampler(n, replicas, r, seed=4) for r in range(replicas)]
+    order = samplers[0].global_order().tolist()
+    shares = [list(s) for s in samplers]
+    extra = samplers[0].total_size - n
+    assert 0 <= extra <= n  # (smaller datasets repeat their order several times)
+    counts = np.bincount(np.concatenate(shares), minlength=n)
+    assert sorted(np.flatnonzero(counts > 1).tolist()) == sorted(order[:extra])
+    assert [shares[r][-1] for r in range(n % replicas, replicas) if extra] == order[:extra]

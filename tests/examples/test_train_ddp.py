@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,31 @@ STEPS_PER_EPOCH = 23  # 1,437 training digits over a global batch of 64 (2 ranks
 pytest.importorskip("sklearn", reason="the example's digits ship with scikit-learn")
 
 
-def _run(args: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+# Imported at start-up by every Python process that has its folder on PYTHONPATH: with
+# KILL_AFTER_CHECKPOINT=name:N the process SIGKILLs itself right after its N-th checkpoint
+# named `name` is on disk (tensorlib.save renames the finished file with os.replace).
+KILLER = """
+import os, signal
+_spec = os.environ.get("KILL_AFTER_CHECKPOINT")
+if _spec:
+    _name, _n = _spec.rsplit(":", 1)
+    _real, _seen = os.replace, [0]
+
+    def _replace(src, dst, *args, **kwargs):
+        _real(src, dst, *args, **kwargs)
+        if os.path.basename(os.fspath(dst)) == _name:
+            _seen[0] += 1
+            if _seen[0] == int(_n):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = _replace
+"""
+
+
+def _run(
+    args: list[str], timeout: float = 100, env_vars: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_vars or {})}
     env.pop("RANK", None)  # never look launched to the script
     env.pop("WORLD_SIZE", None)
     return run_to_end([sys.executable, *args], env, timeout)
@@ -94,7 +118,7 @@ def test_checkpoint_exists_and_loads(spawned_run: tuple[Path, str, str]) -> None
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".tmp")], "temp file left"
     state = _load(ckpt)
     assert state["step"] == 8 * STEPS_PER_EPOCH
-    assert state["extra"] == {"epoch": 8}
+    assert state["epoch"] == 8
 
 
 @pytest.mark.slow
@@ -124,19 +148,98 @@ def test_resume_continues_from_the_checkpoint(
     assert _load(out_ckpt)["step"] == 9 * STEPS_PER_EPOCH
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_launcher_form(tmp_path: Path) -> None:
-    ckpt = tmp_path / "launched.npz"
+@pytest.fixture(scope="module")
+def launched_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Two epochs on 2 ranks started by the launcher, never interrupted."""
+    ckpt = tmp_path_factory.mktemp("launched") / "launched.npz"
     proc = _run(
         ["-m", "collectives.run", "--nproc-per-node", "2", SCRIPT, "--epochs", "2"]
-        + ["--checkpoint", str(ckpt)]
+        + ["--no-progress", "--checkpoint", str(ckpt)]
     )
-    out = _ok(proc)
+    return ckpt, _ok(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launcher_form(launched_run: tuple[Path, str]) -> None:
+    ckpt, out = launched_run
     assert "world size 2 (cpu backend" in out
     assert _epoch_lines(out) == [1, 2]
     assert _final_accuracy(out) >= 0.9
     assert ckpt.is_file()
+
+
+def _same_state(a: Path, b: Path) -> None:
+    """Model and optimizer state bitwise equal, and the same step."""
+    import numpy as np
+
+    import tensorlib as tl
+
+    sa, sb = tl.load(a), tl.load(b)
+    assert sa["step"] == sb["step"]
+    for part in ("model", "optimizer"):
+        flat_a = [(k, v) for k, v in _leaves(sa[part])]
+        flat_b = [(k, v) for k, v in _leaves(sb[part])]
+        assert [k for k, _ in flat_a] == [k for k, _ in flat_b], part
+        for (k, va), (_, vb) in zip(flat_a, flat_b, strict=True):
+            assert np.array_equal(np.asarray(va), np.asarray(vb)), f"{part} {k} differs"
+
+
+def _leaves(obj: object, prefix: str = "") -> list[tuple[str, object]]:
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _leaves(v, f"{prefix}/{k}")]
+    if isinstance(obj, list | tuple):
+        return [leaf for i, v in enumerate(obj) for leaf in _leaves(v, f"{prefix}/{i}")]
+    return [(prefix, obj.numpy() if hasattr(obj, "numpy") else obj)]
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_run_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    """World size 1: killed right after its checkpoint at step 20 (epoch 1, batch 20 of 23),
+    the next attempt (DPT_RESTART_COUNT=1) resumes there and ends where an uninterrupted run
+    ends, bit for bit. A finished run's checkpoint at the same path is not resumed by the
+    fresh attempt (it writes its own step-0 checkpoint first)."""
+    common = [SCRIPT, "--epochs", "2", "--no-progress", "--checkpoint-every", "10"]
+    whole = tmp_path / "whole.npz"
+    _ok(_run([*common, "--checkpoint", str(whole)]))
+    ckpt = tmp_path / "run.npz"
+    shutil.copy(whole, ckpt)  # stale: a fresh attempt must not resume it
+    (tmp_path / "sitecustomize.py").write_text(KILLER)
+    hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    # Checkpoints at steps 0, 10, 20: killed right after the third.
+    killed = _run(
+        [*common, "--checkpoint", str(ckpt)],
+        env_vars={"KILL_AFTER_CHECKPOINT": "run.npz:3", **hooked},
+    )
+    assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
+    assert "resumed" not in killed.stdout
+    out = _ok(_run([*common, "--checkpoint", str(ckpt)], env_vars={"DPT_RESTART_COUNT": "1"}))
+    assert f"resumed from {ckpt}: epoch 1 batch 20/23, step 20" in out
+    assert _epoch_lines(out) == [1, 2]
+    _same_state(ckpt, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_ranks_killed_then_resumed_match_the_launched_run(
+    launched_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """2 ranks (spawned by --nproc): rank 0 killed right after the step-30 checkpoint (epoch 2,
+    batch 7 of 23); --resume continues it to the same state as the launcher's uninterrupted
+    run."""
+    whole, _ = launched_run
+    ckpt = tmp_path / "two.npz"
+    (tmp_path / "sitecustomize.py").write_text(KILLER)
+    hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    common = [SCRIPT, "--nproc", "2", "--epochs", "2", "--no-progress"]
+    common += ["--checkpoint-every", "10", "--checkpoint", str(ckpt)]
+    # Checkpoints at steps 0, 10, 20, 23 (end of epoch 1), 30: killed after the fifth.
+    killed = _run(common, env_vars={"KILL_AFTER_CHECKPOINT": "two.npz:5", **hooked})
+    assert killed.returncode != 0, (killed.stdout, killed.stderr)
+    out = _ok(_run([*common, "--resume", str(ckpt)]))
+    assert f"resumed from {ckpt}: epoch 2 batch 7/23, step 30" in out
+    assert _epoch_lines(out) == [2]
+    _same_state(ckpt, whole)
 
 
 @pytest.mark.timeout(120)
@@ -220,3 +323,34 @@ def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
     assert re.search(r"^GradScaler: \d+ of 4 steps skipped", amp, re.M), amp
     # float16 matmuls change the numbers a little, not the training.
     assert _val_loss(amp) == pytest.approx(_val_loss(whole), rel=0.02), (whole, amp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_transformer_restart_resumes_exactly(tmp_path: Path) -> None:
+    """The GPT example with --amp and --grad-accum 2, checkpointing every 3 steps: killed right
+    after the step-6 checkpoint, the restarted attempt ends at step 9 in the state an
+    uninterrupted run reaches (model, AdamW, schedule and scaler resumed, the loader's
+    micro-batch position too)."""
+    common = ["examples/train_transformer_ddp.py", "--steps", "9", "--log-every", "9"]
+    common += ["--no-progress", "--d-model", "32", "--block", "16", "--batch-size", "8"]
+    common += ["--warmup", "2", "--amp", "--grad-accum", "2", "--checkpoint-every", "3"]
+    whole = tmp_path / "whole.npz"
+    _ok(_run([*common, "--checkpoint", str(whole)]))
+    ckpt = tmp_path / "gpt.npz"
+    (tmp_path / "sitecustomize.py").write_text(KILLER)
+    hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    # Checkpoints at steps 0, 3, 6: killed right after the third.
+    killed = _run(
+        [*common, "--checkpoint", str(ckpt)],
+        env_vars={"KILL_AFTER_CHECKPOINT": "gpt.npz:3", **hooked},
+    )
+    assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
+    out = _ok(_run([*common, "--checkpoint", str(ckpt)], env_vars={"DPT_RESTART_COUNT": "1"}))
+    assert f"resumed from {ckpt} at step 6" in out
+    _same_state(ckpt, whole)
+    import tensorlib as tl
+
+    a, b = tl.load(ckpt), tl.load(whole)
+    assert a["scheduler"] == b["scheduler"] and a["scaler"] == b["scaler"]
+    assert a["loader"] == b["loader"] == {"epoch": 0, "batches_done": 18}
