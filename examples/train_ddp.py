@@ -26,6 +26,7 @@ The same script runs in every configuration:
     # from the latest checkpoint, mid-epoch, exactly where the failed attempt was:
     python -m collectives.run --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py \
         --checkpoint-every 10
+    python examples/train_ddp.py --nproc 2 --max-restarts 3 --checkpoint-every 10  # the same
 
 Each rank trains on its own 1/N of every epoch (a DistributedSampler), with a per-rank batch
 of ``--batch-size / N`` so that the global batch, and with it the learning dynamics, does not
@@ -271,8 +272,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     return {"rank": rank, "accuracy": float(acc), "step": step}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
-    """The command line as a :class:`Config` and the ``--nproc`` value."""
+def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
+    """The command line as a :class:`Config`, the ``--nproc`` and ``--max-restarts`` values."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -302,6 +303,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         help="also write the checkpoint every K steps (0: off); a restarted job resumes from it",
     )
     p.add_argument("--resume", default=None, metavar="PATH", help="continue from a checkpoint")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --nproc: start the ranks again up to N times after a failure (under the "
+        "launcher use its --max-restarts)",
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
@@ -309,6 +318,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         p.error(f"--nproc must be >= 1, got {a.nproc}")
     if a.checkpoint_every < 0:
         p.error(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
+    if a.max_restarts < 0:
+        p.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if a.max_restarts and a.nproc is None:
+        p.error(
+            "--max-restarts restarts the ranks --nproc starts; under a launcher pass it to "
+            "the launcher (python -m collectives.run --max-restarts N ...)"
+        )
     if a.nproc is not None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         p.error("--nproc starts ranks itself; under a launcher leave it out")
     if a.nproc is not None and a.batch_size % a.nproc:
@@ -327,17 +343,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         progress=not a.no_progress,
         backend=a.backend,
     )
-    return cfg, a.nproc
+    return cfg, a.nproc, a.max_restarts
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: spawn ``--nproc`` ranks, or run as this process's rank."""
-    cfg, nproc = parse_args(argv)
+    cfg, nproc, max_restarts = parse_args(argv)
     if cfg.device.startswith("cuda"):
         rank_device(cfg.device, 0)  # fail here, once, before starting any rank
     # Parallel picks the mode: spawn nproc ranks; join the launcher's group (RANK/WORLD_SIZE
     # set); or world size 1 in this process. Spawned ranks run train() and report home as JSON.
-    with collectives.Parallel(backend=cfg.backend, nproc_per_node=nproc) as parallel:
+    # With --max-restarts a failed attempt starts every rank again; they resume (see above).
+    parallel_job = collectives.Parallel(
+        backend=cfg.backend, nproc_per_node=nproc, max_restarts=max_restarts
+    )
+    with parallel_job as parallel:
         parallel.run(train, cfg)
     return 0
 

@@ -3,17 +3,16 @@
     python -m collectives.run --nproc-per-node 2 tests/ddp/resume_script.py \\
         --ckpt /tmp/c.npz --out /tmp/final.npz --steps 30 --every 4 --kill-step 9 --kill-rank 1
 
-Everything that makes resuming hard is here: dropout (tensorlib's generator, a different mask
-on every rank), NumPy's legacy global generator, a ``numpy.random.Generator`` and Python's
+Everything that makes resuming hard is here: dropout (tensorlib's generator, a different mask on
+every rank), NumPy's legacy global generator, a ``numpy.random.Generator`` and Python's
 ``random`` (input noise, per rank), AdamW with a StepLR schedule, a GradScaler that grows its
 scale, and a shuffled DistributedSampler whose epochs end mid-run. Rank 0 writes the final
-parameters to ``--out``. The attempt number is ``DPT_RESTART_COUNT`` (``RESUME_TEST_ATTEMPT``
-overrides it: today's launcher sets ``DPT_RESTART_COUNT=0`` in every rank); a fresh attempt
-(0) writes a step-0 checkpoint before training and never resumes, a later one resumes from
-``--ckpt`` when it exists. Only attempt 0 kills itself, at the start of ``--kill-step`` (rank
-``--kill-rank``), or with ``--kill-in-save`` in the middle of the checkpoint written at that
-step (rank 0 SIGKILLs itself at its first ``os.fsync``: the temporary file is written, not yet
-renamed).
+parameters to ``--out``. The attempt number is ``DPT_RESTART_COUNT`` (set by the launcher's
+``--max-restarts``); a fresh attempt (0) writes a step-0 checkpoint before training and never
+resumes, a later one resumes from ``--ckpt`` when it exists. Only attempt 0 kills itself, at the
+start of ``--kill-step`` (rank ``--kill-rank``), or with ``--kill-in-save`` in the middle of the
+checkpoint written at that step (rank 0 SIGKILLs itself at its first ``os.fsync``: the temporary
+file is written, not yet renamed).
 """
 
 from __future__ import annotations
@@ -172,7 +171,7 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-in-save", action="store_true")
     a = p.parse_args()
-    attempt = int(os.environ.get("RESUME_TEST_ATTEMPT") or os.environ.get("DPT_RESTART_COUNT") or 0)
+    attempt = int(os.environ.get("DPT_RESTART_COUNT") or 0)
     collectives.init_process_group(backend="cpu", timeout=30.0)
     rank, world = collectives.get_rank(), collectives.get_world_size()
     run = build(a.dtype, world, rank)

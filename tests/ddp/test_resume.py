@@ -1,11 +1,12 @@
-"""Exact resume, with real processes: a rank SIGKILLed at a random step, the job started again,
-and the final parameters bitwise equal to an uninterrupted run of the same seed.
+"""Exact resume, with real processes: a rank SIGKILLed at a random step, the job started again, and
+the final parameters bitwise equal to an uninterrupted run of the same seed.
 
 The job is ``python -m collectives.run --nproc-per-node W tests/ddp/resume_script.py`` (W = 2
-and 3, float64 and float32). :func:`run_with_restarts` starts it again until it succeeds, as
-``--max-restarts`` will; each case draws its kill step from a generator seeded by the case, and
-the test id says which. One case per world size kills rank 0 in the middle of writing a
-checkpoint: the previous checkpoint must still be there and the resume still exact.
+and 3, float64 and float32) with ``--max-restarts 1``: the launcher ends the job when the rank
+dies and starts it again with ``DPT_RESTART_COUNT=1``, and the script resumes; each case draws
+its kill step from a generator seeded by the case, and the test id says which. One case per
+world size kills rank 0 in the middle of writing a checkpoint: the previous checkpoint must
+still be there and the resume still exact.
 """
 
 from __future__ import annotations
@@ -31,25 +32,6 @@ STEPS, EVERY = 30, 4
 LAUNCH_TIMEOUT = 60.0  # per attempt; a hang fails the test
 
 
-def run_with_restarts(
-    cmd: list[str], env: dict[str, str], attempts: int
-) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``cmd`` until it exits 0, at most ``attempts`` times; every attempt's result.
-
-    Stands in for ``collectives.run --max-restarts``: it passes the attempt number the way the
-    launcher will (``DPT_RESTART_COUNT``) and as ``RESUME_TEST_ATTEMPT``, which the script
-    prefers, since today's launcher sets ``DPT_RESTART_COUNT=0`` in every rank.
-    """
-    results = []
-    for attempt in range(attempts):
-        count = str(attempt)
-        run_env = dict(env, DPT_RESTART_COUNT=count, RESUME_TEST_ATTEMPT=count)
-        results.append(run_to_end(cmd, run_env, LAUNCH_TIMEOUT))
-        if results[-1].returncode == 0:
-            break
-    return results
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DPT_ERROR_FILE"):
@@ -57,13 +39,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _command(world: int, dtype: str, ckpt: Path, out: Path, *extra: str) -> list[str]:
+def _command(
+    world: int, dtype: str, ckpt: Path, out: Path, *extra: str, restarts: int = 0
+) -> list[str]:
     return [
         sys.executable,
         "-m",
         "collectives.run",
         "--nproc-per-node",
         str(world),
+        "--max-restarts",
+        str(restarts),
         SCRIPT,
         "--dtype",
         dtype,
@@ -79,12 +65,8 @@ def _command(world: int, dtype: str, ckpt: Path, out: Path, *extra: str) -> list
     ]
 
 
-def _report(procs: list[subprocess.CompletedProcess[str]]) -> str:
-    return "\n".join(
-        f"--- attempt {i}: exit {p.returncode}\nstdout:\n{p.stdout[-1500:]}\n"
-        f"stderr:\n{p.stderr[-3000:]}"
-        for i, p in enumerate(procs)
-    )
+def _report(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-1500:]}\nstderr:\n{proc.stderr[-4000:]}"
 
 
 _REFERENCES: dict[tuple[int, str], tuple[dict[str, Any], Path]] = {}
@@ -98,10 +80,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (world, dtype)
         if key not in _REFERENCES:
             d = tmp_path_factory.mktemp(f"ref-w{world}-{dtype}")
-            procs = run_with_restarts(
-                _command(world, dtype, d / "ckpt.npz", d / "final.npz"), _env(), 1
-            )
-            assert procs[-1].returncode == 0, _report(procs)
+            cmd = _command(world, dtype, d / "ckpt.npz", d / "final.npz")
+            proc = run_to_end(cmd, _env(), LAUNCH_TIMEOUT)
+            assert proc.returncode == 0, _report(proc)
             with np.load(d / "final.npz") as f:
                 _REFERENCES[key] = ({k: f[k] for k in f.files}, d / "ckpt.npz")
         return _REFERENCES[key]
@@ -144,15 +125,18 @@ def test_killed_and_restarted_run_equals_the_uninterrupted_one(
     # A finished run's checkpoint at the same path: a fresh attempt must not resume it.
     shutil.copy(stale, ckpt)
     kill = ["--kill-step", str(kill_step), "--kill-rank", str(kill_rank), "--times", str(times)]
-    cmd = _command(world, dtype, ckpt, out, *kill, *(["--kill-in-save"] if in_save else []))
+    extra = [*kill, *(["--kill-in-save"] if in_save else [])]
+    cmd = _command(world, dtype, ckpt, out, *extra, restarts=1)
     what = f"world {world}, {dtype}, rank {kill_rank} killed at step {kill_step}"
 
-    procs = run_with_restarts(cmd, _env(), 2)  # as --max-restarts 1 would
-    codes = [p.returncode for p in procs]
-    assert len(codes) == 2 and codes[0] != 0, f"{what}: attempt 0 was not killed\n{_report(procs)}"
-    assert codes[1] == 0, f"{what}: the restarted attempt failed\n{_report(procs)}"
-    assert f"rank {kill_rank} (of {world}" in procs[0].stderr, _report(procs)
-    assert "SIGKILL" in procs[0].stderr, _report(procs)
+    proc = run_to_end(cmd, _env(), 2 * LAUNCH_TIMEOUT)
+    err = proc.stderr
+    assert proc.returncode == 0, f"{what}: the restarted job failed\n{_report(proc)}"
+    # Attempt 0 was killed, reported and restarted once.
+    assert "job failed (attempt 1 of 2)" in err, f"{what}: no kill\n{_report(proc)}"
+    assert f"rank {kill_rank} (of {world}" in err and "SIGKILL" in err, _report(proc)
+    assert "restarting (attempt 2 of 2, DPT_RESTART_COUNT=1)" in err, _report(proc)
+    assert "job failed (attempt 2 of 2)" not in err, _report(proc)
     notes = [json.loads(line) for line in times.read_text().splitlines()]
     killed = next(n for n in notes if n["what"] == "kill")
     resumed = next(n for n in notes if n["what"] == "first_step")

@@ -29,7 +29,7 @@ pytest.importorskip("sklearn", reason="the example's digits ship with scikit-lea
 KILLER = """
 import os, signal
 _spec = os.environ.get("KILL_AFTER_CHECKPOINT")
-if _spec:
+if _spec and os.environ.get("DPT_RESTART_COUNT", "0") == "0":  # the first attempt only
     _name, _n = _spec.rsplit(":", 1)
     _real, _seen = os.replace, [0]
 
@@ -221,24 +221,33 @@ def test_a_restarted_run_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_ranks_killed_then_resumed_match_the_launched_run(
-    launched_run: tuple[Path, str], tmp_path: Path
+@pytest.mark.parametrize("form", ["launcher", "nproc"])
+def test_two_ranks_killed_then_restarted_match_the_launched_run(
+    launched_run: tuple[Path, str], tmp_path: Path, form: str
 ) -> None:
-    """2 ranks (spawned by --nproc): rank 0 killed right after the step-30 checkpoint (epoch 2,
-    batch 7 of 23); --resume continues it to the same state as the launcher's uninterrupted
-    run."""
+    """``collectives.run --nproc-per-node 2 --max-restarts 1`` (or the script's own ``--nproc 2
+    --max-restarts 1``): rank 0 killed right after the step-30 checkpoint (epoch 2, batch 7 of
+    23); the job is started again, resumes on its own and ends in the same state as the
+    uninterrupted launched run."""
     whole, _ = launched_run
     ckpt = tmp_path / "two.npz"
     (tmp_path / "sitecustomize.py").write_text(KILLER)
     hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    common = [SCRIPT, "--nproc", "2", "--epochs", "2", "--no-progress"]
-    common += ["--checkpoint-every", "10", "--checkpoint", str(ckpt)]
+    if form == "launcher":
+        launch = ["-m", "collectives.run", "--nproc-per-node", "2", "--max-restarts", "1", SCRIPT]
+        banner = "collectives.run: restarting (attempt 2 of 2, DPT_RESTART_COUNT=1)"
+    else:
+        launch = [SCRIPT, "--nproc", "2", "--max-restarts", "1"]
+        banner = "spawn: restarting (attempt 2 of 2, DPT_RESTART_COUNT=1)"
+    args = [*launch, "--epochs", "2", "--no-progress"]
+    args += ["--checkpoint-every", "10", "--checkpoint", str(ckpt)]
     # Checkpoints at steps 0, 10, 20, 23 (end of epoch 1), 30: killed after the fifth.
-    killed = _run(common, env_vars={"KILL_AFTER_CHECKPOINT": "two.npz:5", **hooked})
-    assert killed.returncode != 0, (killed.stdout, killed.stderr)
-    out = _ok(_run([*common, "--resume", str(ckpt)]))
+    proc = _run(args, timeout=150, env_vars={"KILL_AFTER_CHECKPOINT": "two.npz:5", **hooked})
+    out = _ok(proc)
+    assert "job failed (attempt 1 of 2)" in proc.stderr and "SIGKILL" in proc.stderr
+    assert banner in proc.stderr
     assert f"resumed from {ckpt}: epoch 2 batch 7/23, step 30" in out
-    assert _epoch_lines(out) == [2]
+    assert _epoch_lines(out)[-1] == 2
     _same_state(ckpt, whole)
 
 
