@@ -2,7 +2,8 @@
 
 Helpers in the spirit of PyTorch Ignite's ``idist`` and Horovod: a distributed sampler and
 data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, rank-0
-atomic checkpoints, and ``join`` for uneven inputs.
+atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`` API),
+``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients).
 """
 
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
@@ -12,6 +13,8 @@ from ._ddp import DistributedDataParallel, StepStats
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
 from ._join import Join, join
 from ._sampler import DistributedSampler
+from ._sync import sync_gradients, sync_parameters
+from . import functional, idist  # noqa: E402  (after the names they import)
 
 __all__ = [
     "DataLoader",
@@ -25,8 +28,12 @@ __all__ = [
     "auto_model",
     "auto_optim",
     "fp16_compress_hook",
+    "functional",
+    "idist",
     "join",
     "load_checkpoint",
     "one_rank_only",
     "save_checkpoint",
+    "sync_gradients",
+    "sync_parameters",
 ]
