@@ -24,7 +24,7 @@ import collectives
 import tensorlib as tl
 from tensorlib import Tensor
 
-from ._config import device
+from ._config import device, is_distributed
 
 __all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "forget_groups", "new_group"]
 
@@ -52,7 +52,7 @@ def _group(group: Any, where: str) -> Any:
         return pg if pg.size > 1 else None
     if isinstance(group, list | tuple):
         ranks = _ranks(group, where)
-        if not collectives.is_initialized():
+        if not is_distributed():
             return None
         key = (id(collectives.get_default_group()), tuple(sorted(ranks)))
         if key not in _list_groups:
@@ -266,7 +266,7 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
 
     Returns:
         The group (a ``NonMemberGroup`` on the other ranks); outside any group, ``ranks``
-        itself (as Ignite's serial model), which the collectives here accept as ``group``.
+        itself (as Ignite's serial model; also in a group of one), which the collectives here accept as ``group``.
 
     Raises:
         ValueError: when ``ranks`` is not a list of int.
@@ -276,6 +276,6 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
     unknown = sorted(set(kwargs) - {"backend", "timeout"})
     if unknown:
         raise TypeError(f"idist.new_group: unexpected arguments {unknown}; accepted: backend, timeout")
-    if not collectives.is_initialized():
+    if not is_distributed():
         return ranks
     return collectives.new_group(checked, **kwargs)
