@@ -6,6 +6,7 @@ atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`
 ``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients).
 """
 
+from . import functional, idist
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._data import DataLoader
@@ -14,7 +15,6 @@ from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
 from ._join import Join, join
 from ._sampler import DistributedSampler
 from ._sync import sync_gradients, sync_parameters
-from . import functional, idist  # noqa: E402  (after the names they import)
 
 __all__ = [
     "DataLoader",

@@ -152,9 +152,7 @@ class _Scatter(Function):
 
 
 # ---------------------------------------------------------------------- the functions
-def all_reduce(
-    x: Tensor, op: str = "sum", group: collectives.ProcessGroup | None = None
-) -> Tensor:
+def all_reduce(x: Tensor, op: str = "sum", group: collectives.ProcessGroup | None = None) -> Tensor:
     """The sum (or mean, ``op="avg"``) of every rank's ``x``; the gradient is all-reduced too.
 
     Raises:

@@ -50,7 +50,9 @@ def auto_optim(optimizer: optim.Optimizer, **kwargs: Any) -> optim.Optimizer:
             that is not a tensorlib Optimizer.
     """
     if kwargs:
-        raise TypeError(f"idist.auto_optim: unexpected arguments {sorted(kwargs)} (no Horovod here)")
+        raise TypeError(
+            f"idist.auto_optim: unexpected arguments {sorted(kwargs)} (no Horovod here)"
+        )
     return _auto.auto_optim(optimizer)
 
 

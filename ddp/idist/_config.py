@@ -126,7 +126,9 @@ def initialize(backend: str | None = None, **kwargs: Any) -> None:
     name = check_backend(backend, "idist.initialize")
     unknown = sorted(set(kwargs) - set(_INIT_KWARGS))
     if unknown:
-        raise TypeError(f"idist.initialize: unexpected arguments {unknown}; accepted: {_INIT_KWARGS}")
+        raise TypeError(
+            f"idist.initialize: unexpected arguments {unknown}; accepted: {_INIT_KWARGS}"
+        )
     if collectives.is_initialized():
         raise RuntimeError(
             "idist.initialize: a process group already exists; call idist.finalize() first"

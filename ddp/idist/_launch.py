@@ -48,7 +48,9 @@ def _spawn_options(where: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"{where}: unexpected arguments {unknown}; accepted: {_SPAWN_KWARGS}")
     if kwargs.get("init_method") not in (None, "env://"):
-        raise ValueError(f"{where}: spawned ranks meet through env://, got init_method={kwargs['init_method']!r}")
+        raise ValueError(
+            f"{where}: spawned ranks meet through env://, got init_method={kwargs['init_method']!r}"
+        )
     if kwargs.get("join", True) is not True:
         raise ValueError(f"{where}: join=False is not supported here; use collectives.spawn")
     opts = {k: kwargs[k] for k in ("start_method", "grace_period", "max_restarts") if k in kwargs}
@@ -101,8 +103,14 @@ def spawn(
     """
     name = check_backend(backend, "idist.spawn")
     _one_node("idist.spawn", nnodes, node_rank, master_addr)
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise ValueError(f"idist.spawn: nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    if (
+        isinstance(nproc_per_node, bool)
+        or not isinstance(nproc_per_node, int)
+        or nproc_per_node < 1
+    ):
+        raise ValueError(
+            f"idist.spawn: nproc_per_node must be a positive int, got {nproc_per_node!r}"
+        )
     opts = _spawn_options("idist.spawn", kwargs)
     target = functools.partial(fn, **kwargs_dict) if kwargs_dict else fn
     return collectives.spawn(
@@ -160,13 +168,23 @@ class Parallel:
         if backend is None:
             for key, value in given.items():
                 if value is not None:
-                    raise ValueError(f"{where}: with backend None, {key} must be None too, got {value!r}")
+                    raise ValueError(
+                        f"{where}: with backend None, {key} must be None too, got {value!r}"
+                    )
         if nproc_per_node is not None:
-            if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-                raise ValueError(f"{where}: nproc_per_node must be a positive int, got {nproc_per_node!r}")
+            if (
+                isinstance(nproc_per_node, bool)
+                or not isinstance(nproc_per_node, int)
+                or nproc_per_node < 1
+            ):
+                raise ValueError(
+                    f"{where}: nproc_per_node must be a positive int, got {nproc_per_node!r}"
+                )
             _one_node(where, nnodes or 1, node_rank or 0, master_addr)
         elif nnodes not in (None, 1):
-            raise ValueError(f"{where}: nnodes without nproc_per_node: the launcher places the ranks")
+            raise ValueError(
+                f"{where}: nnodes without nproc_per_node: the launcher places the ranks"
+            )
         opts = _spawn_options(where, {**spawn_kwargs, "init_method": init_method})
         self.nproc_per_node = nproc_per_node
         spawn_n = nproc_per_node if nproc_per_node is not None else None
@@ -205,7 +223,9 @@ class Parallel:
         """
         mode = self._inner.mode
         if mode is None:
-            raise RuntimeError("idist.Parallel.run() must be called inside `with idist.Parallel(...) as p:`")
+            raise RuntimeError(
+                "idist.Parallel.run() must be called inside `with idist.Parallel(...) as p:`"
+            )
         if mode == "spawn":
             return self._inner.run(fn, *args, **kwargs)
         return fn(get_local_rank(), *args, **kwargs)

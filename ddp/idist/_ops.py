@@ -265,8 +265,9 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
         **kwargs: ``backend`` and ``timeout``, as ``collectives.new_group`` takes them.
 
     Returns:
-        The group (a ``NonMemberGroup`` on the other ranks); outside any group, ``ranks``
-        itself (as Ignite's serial model; also in a group of one), which the collectives here accept as ``group``.
+        The group (a ``NonMemberGroup`` on the other ranks); outside any group or in a group
+        of one, ``ranks`` itself (Ignite's serial model), which the collectives here accept
+        as ``group``.
 
     Raises:
         ValueError: when ``ranks`` is not a list of int.
@@ -275,7 +276,9 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
     checked = _ranks(ranks, "idist.new_group")
     unknown = sorted(set(kwargs) - {"backend", "timeout"})
     if unknown:
-        raise TypeError(f"idist.new_group: unexpected arguments {unknown}; accepted: backend, timeout")
+        raise TypeError(
+            f"idist.new_group: unexpected arguments {unknown}; accepted: backend, timeout"
+        )
     if not is_distributed():
         return ranks
     return collectives.new_group(checked, **kwargs)

@@ -64,7 +64,9 @@ def op_gradient(op: str, axis: int, seed: int) -> dict[str, Any]:
         xs = [xs[0]] * ws  # scatter's input is alike on every rank
     src = 0
     outs = _outputs(op, xs, axis, src)
-    ws_out = [np.random.default_rng([seed, 100 + s]).standard_normal(o.shape) for s, o in enumerate(outs)]
+    ws_out = [
+        np.random.default_rng([seed, 100 + s]).standard_normal(o.shape) for s, o in enumerate(outs)
+    ]
 
     def objective(inputs: list[np.ndarray]) -> float:
         ys = _outputs(op, inputs, axis, src)

@@ -84,8 +84,11 @@ def all_reduce_cases() -> dict[str, Any]:
     _eq(idist.all_reduce(t, "max"), np.full((4, 4), max(vals), np.float32), "4x4 MAX")
     # A view that is not contiguous is reduced too (into a new tensor).
     base = tl.tensor(np.arange(6.0).reshape(2, 3) * (rank + 1))
-    _eq(idist.all_reduce(base.T), (np.arange(6.0).reshape(2, 3) * sum(range(1, ws + 1))).T,
-        "transposed view")
+    _eq(
+        idist.all_reduce(base.T),
+        (np.arange(6.0).reshape(2, 3) * sum(range(1, ws + 1))).T,
+        "transposed view",
+    )
     _raises(TypeError, "unhandled input type", idist.all_reduce, "abc")
     _raises(ValueError, "unsupported reduction operation", idist.all_reduce, 10, op="ABC")
     return {"sum": idist.all_reduce(rank + 0.5), "max": idist.all_reduce(rank, "MAX")}
@@ -103,7 +106,9 @@ def all_gather_cases() -> dict[str, Any]:
     x = "abc" if rank == 0 else long
     _eq(idist.all_gather(x), ["abc"] + [long] * (ws - 1), "strings of different lengths")
     t = tl.tensor(np.arange(100, dtype=np.int32).reshape(4, 25) * (rank + 1))
-    want = np.concatenate([np.arange(100, dtype=np.int32).reshape(4, 25) * (i + 1) for i in range(ws)])
+    want = np.concatenate(
+        [np.arange(100, dtype=np.int32).reshape(4, 25) * (i + 1) for i in range(ws)]
+    )
     _eq(idist.all_gather(t), want, "4x25 int32")
     obj = {"a": [rank + 1, rank + 2], "c": {"abcd": rank}}
     got = idist.all_gather(obj)
@@ -120,13 +125,25 @@ def broadcast_cases() -> dict[str, Any]:
     long = "tests/ddp/idist_bodies.py::broadcast_cases" * 200
     path = Path("tests/ddp/idist_bodies.py")
     cases: list[tuple[Any, Any, bool]] = [
-        (10, 0, False), (10, None, True), (12.5, 0.0, False),
-        (t, tl.zeros_like(t), False), (t, None, True), (t, "abc", True),
-        ("test-abcdefg", "", False), ("test-abcdefg", None, True), ("test-abcdefg", 1.2, True),
-        (path, Path(""), False), (path, None, True), (path, "", True),
-        (long, "", False), (long, 123.0, True),
-        (grid, tl.zeros_like(grid), False), (grid, None, True), (grid, "None", True),
-        (tl.tensor(12), tl.tensor(0), False), (tl.tensor(12), 123.4, True),
+        (10, 0, False),
+        (10, None, True),
+        (12.5, 0.0, False),
+        (t, tl.zeros_like(t), False),
+        (t, None, True),
+        (t, "abc", True),
+        ("test-abcdefg", "", False),
+        ("test-abcdefg", None, True),
+        ("test-abcdefg", 1.2, True),
+        (path, Path(""), False),
+        (path, None, True),
+        (path, "", True),
+        (long, "", False),
+        (long, 123.0, True),
+        (grid, tl.zeros_like(grid), False),
+        (grid, None, True),
+        (grid, "None", True),
+        (tl.tensor(12), tl.tensor(0), False),
+        (tl.tensor(12), 123.4, True),
     ]
     for i, (data_src, data_others, safe) in enumerate(cases):
         for src in range(ws):
@@ -207,7 +224,7 @@ def sync_gradients_case(op: str, cap_mb: float) -> dict[str, Any]:
     synced gradients and the number of all-reduces."""
     import collectives
 
-    ws, rank = idist.get_world_size(), idist.get_rank()
+    rank = idist.get_rank()
     model = _Mixed(0)
     params = list(model.parameters())
     for i, p in enumerate(params):

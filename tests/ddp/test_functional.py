@@ -34,7 +34,9 @@ def world(request: pytest.FixtureRequest, pools: Pools) -> RankPool:
 
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("op", OPS)
-def test_gradient_matches_finite_differences(world: RankPool, seed: int, op: str, axis: int) -> None:
+def test_gradient_matches_finite_differences(
+    world: RankPool, seed: int, op: str, axis: int
+) -> None:
     if op.startswith("all_reduce") and axis == 1:
         pytest.skip("all_reduce has no axis")
     got = world.run(f"{BODIES}:op_gradient", {"op": op, "axis": axis, "seed": seed})
@@ -65,7 +67,9 @@ def test_model_parallel_mlp_matches_the_unsplit_model(
     for rank, g in enumerate(got):
         tol = 1e-12 * max(1.0, g["scale"])
         bad = {k: v for k, v in g.items() if k != "scale" and v > tol}
-        assert not bad, f"{variant} on {world.label}, rank {rank}: differs from the whole MLP: {bad}"
+        assert not bad, (
+            f"{variant} on {world.label}, rank {rank}: differs from the whole MLP: {bad}"
+        )
 
 
 def test_argument_errors_at_every_world_size(world: RankPool) -> None:

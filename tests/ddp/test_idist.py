@@ -135,7 +135,9 @@ def test_sync_gradients_buckets_and_reduces(world: RankPool, op: str, cap_mb: fl
             if name == "b.bias":  # no gradient on any rank: zeros when synced
                 assert grad is None if ws == 1 else set(_flat(grad)) == {0.0}
                 continue
-            want = g["factor"][name] * (1.0 if ws == 1 else (rank_sum / ws if op == "avg" else rank_sum))
+            want = g["factor"][name] * (
+                1.0 if ws == 1 else (rank_sum / ws if op == "avg" else rank_sum)
+            )
             flat = _flat(grad)
             assert flat == pytest.approx([want] * len(flat)), (name, grad, want)
     assert all(g["grads"] == got[0]["grads"] for g in got)
@@ -198,7 +200,9 @@ def _spawned(local_rank: int, tag: str, scale: int = 1) -> dict[str, Any]:
 
 
 def test_spawn_and_parallel_call_fn_with_the_local_rank(alone: None) -> None:
-    got = idist.spawn("gloo", _spawned, ("a",), kwargs_dict={"scale": 10}, nproc_per_node=2, timeout=30)
+    got = idist.spawn(
+        "gloo", _spawned, ("a",), kwargs_dict={"scale": 10}, nproc_per_node=2, timeout=30
+    )
     assert got == [
         {"local_rank": r, "tag": "a", "sum": 10, "backend": "cpu", "world": 2} for r in range(2)
     ]
@@ -207,6 +211,10 @@ def test_spawn_and_parallel_call_fn_with_the_local_rank(alone: None) -> None:
     assert [g["sum"] for g in got] == [3, 3] and [g["tag"] for g in got] == ["b", "b"]
     with idist.Parallel() as parallel:  # alone: a world of one in this process
         assert parallel.run(_spawned, "c") == {
-            "local_rank": 0, "tag": "c", "sum": 0, "backend": None, "world": 1,
+            "local_rank": 0,
+            "tag": "c",
+            "sum": 0,
+            "backend": None,
+            "world": 1,
         }
     assert not collectives.is_initialized()
