@@ -5,7 +5,8 @@ thread's current device). Rank 0 makes the ``ncclUniqueId`` and shares it throug
 every rank starts a *non-blocking* ``ncclCommInitRankConfig`` and polls
 ``ncclCommGetAsyncError``, so init honours the group's timeout. ``new_group`` splits the
 default group's communicator (``ncclCommSplit``, NCCL 2.18+) or, on older libraries, makes a
-fresh unique id for the members.
+fresh unique id for the members. Setup, and why the handles' storage outlives the calls, is
+``_nccl_setup``.
 
 A collective, issued from the group's thread (see ``ProcessGroup.bind_thread``):
 
@@ -67,10 +68,11 @@ from ._nccl_cuda import Cuda, device_count
 from ._nccl_lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
 from ._nccl_ops import NcclOps, error_from
 from ._nccl_peers import UNCAUGHT, PeerBoard, last_words
+from ._nccl_setup import NcclSetup
 from ._nccl_sigring import SignatureRing
 from ._nccl_watch import NcclWatchdog
 from ._nccl_work import NcclWork
-from ._setup_wait import SetupWatch, register_last_words, setup_op
+from ._setup_wait import register_last_words
 
 __all__ = [
     "Nccl",
@@ -84,7 +86,6 @@ __all__ = [
 ]
 
 _CLOSE_LIMIT = 30.0  # at most this long to flush a communicator on destroy
-_WATCH_EVERY = 0.25  # how often a pending init or split looks at the peers (see SetupWatch)
 
 
 def load_library() -> Nccl:
@@ -105,7 +106,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
 
 
-class NcclBackend(NcclOps, NcclWatchdog, Backend):
+class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
     """NCCL collectives on CuPy arrays (NumPy arrays staged through the GPU).
 
     Args:
@@ -153,92 +154,6 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         if self.size > 1:
             on_uncaught(_tell_peers_uncaught)
 
-    # ------------------------------------------------------------------ setup
-    def _make_comm(self, parent: NcclBackend | None) -> int:
-        deadline = time.monotonic() + self.info.timeout
-        # Setup waits fail fast, naming the rank, when a peer dies or leaves meanwhile.
-        watch = SetupWatch(self.info, setup_op(self.info))
-        if parent is not None:
-            with parent._lock:
-                parent.check_usable("new_group", parent._issued)
-                comm = self._call_init(
-                    lambda: self.lib.comm_split(parent.comm, 0, self.rank, blocking=False),
-                )
-                self._settle_init(comm, "ncclCommSplit", deadline, watch)
-                parent._settle_init(
-                    parent.comm, "ncclCommSplit (parent)", deadline, watch, abort=False
-                )
-        else:
-            uid = self.board.share_unique_id(self.lib.get_unique_id, deadline, watch)
-            comm = self._call_init(
-                lambda: self.lib.comm_init_rank(self.size, uid, self.rank, blocking=False),
-            )
-            self._settle_init(comm, "ncclCommInitRankConfig", deadline, watch)
-        try:
-            count = self.lib.comm_count(comm)
-            rank = self.lib.comm_user_rank(comm)
-            dev = self.lib.comm_cu_device(comm)
-        except NcclError as exc:
-            self.lib.comm_abort(comm)
-            raise error_from(self.info, exc, "init") from exc
-        if (count, rank) != (self.size, self.rank) or dev != self.device:
-            self.lib.comm_abort(comm)
-            raise self.info.error(
-                CollectiveError,
-                "init",
-                None,
-                f"NCCL made a communicator of {count} ranks with this rank as {rank} on "
-                f"cuda:{dev}; expected {self.size} ranks, rank {self.rank}, cuda:{self.device}",
-            )
-        return comm
-
-    def _call_init(self, start: Any) -> int:
-        try:
-            return int(start())
-        except NcclError as exc:
-            raise error_from(self.info, exc, "init") from exc
-
-    def _settle_init(
-        self, comm: int, call: str, deadline: float, watch: SetupWatch, abort: bool = True
-    ) -> None:
-        """Poll a communicator that is initializing (or splitting) until it is ready; fail
-        fast (``watch``) when a peer dies meanwhile, as NCCL would wait for it forever."""
-        pause = 0.0002
-        next_check = time.monotonic() + _WATCH_EVERY
-        while True:
-            try:
-                state = self.lib.comm_get_async_error(comm)
-            except NcclError as exc:
-                raise error_from(self.info, exc, "init") from exc
-            if state == nccl_lib.SUCCESS:
-                return
-            if state != nccl_lib.IN_PROGRESS:
-                err = self.lib.error(state, call, comm)
-                if abort:
-                    self.lib.comm_abort(comm)
-                raise error_from(self.info, err, "init") from err
-            if time.monotonic() >= deadline:
-                if abort:
-                    self.lib.comm_abort(comm)
-                missing = self.board.not_joined()
-                detail = f"; ranks {missing} never joined" if missing else ""
-                raise self.info.error(
-                    CollectiveTimeoutError,
-                    "init",
-                    None,
-                    f"{call} did not complete within {self.info.timeout:g} s{detail}",
-                )
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + _WATCH_EVERY
-                try:
-                    watch.check(f"finish {call}")
-                except CollectiveError:
-                    if abort:
-                        self.lib.comm_abort(comm)
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-
     # ------------------------------------------------------------------ contract hooks
     def device_problem(self, array: Any) -> str | None:
         """Why a CuPy array cannot be used by this group (another GPU), or None."""
@@ -256,18 +171,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
             return None
         if info is not None:
             return NcclBackend(info, parent=self)
-        deadline = time.monotonic() + self.info.timeout
-        watch = SetupWatch(self.info, "new_group")  # see _make_comm
-        with self._lock:
-            self.check_usable("new_group", self._issued)
-            self._call_init(
-                lambda: self.lib.comm_split(
-                    self.comm, nccl_lib.SPLIT_NOCOLOR, self.rank, blocking=False
-                ),
-            )
-            self._settle_init(
-                self.comm, "ncclCommSplit (not a member)", deadline, watch, abort=False
-            )
+        self._split_out()
         return None
 
     # ------------------------------------------------------------------ enqueue

@@ -194,6 +194,70 @@ def test_split_needs_2_18() -> None:
     assert L.Nccl(new, new.version, "fake").can_split
 
 
+def _threads(n: int, fn: Any) -> list[Any]:
+    """``fn(rank)`` in ``n`` threads (ranks of the fake); results in rank order."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(n) as ex:
+        return [f.result(timeout=30) for f in [ex.submit(fn, r) for r in range(n)]]
+
+
+def _poll(lib: L.Nccl, comm: int) -> None:
+    deadline = time.monotonic() + 20
+    while (state := lib.comm_get_async_error(comm)) == L.IN_PROGRESS:
+        assert time.monotonic() < deadline, "still in progress after 20 s"
+        time.sleep(0.001)
+    assert state == L.SUCCESS, L.result_name(state)
+
+
+@pytest.mark.parametrize("version", [21703, 23203])
+def test_nonblocking_init_and_split_handles_are_written_late(version: int) -> None:
+    """NCCL writes a non-blocking split's child (and, before 2.18, uses an init's handle)
+    through the caller's pointer after the call returned: the binding keeps that storage,
+    the child is read once the *parent* left ncclInProgress, NOCOLOR gets none."""
+    raw = fake_nccl.FakeNccl(version)
+    lib = L.Nccl(raw, version, "fake")
+    uid = lib.get_unique_id()
+
+    def rank(r: int) -> tuple[int, ...]:
+        pending = lib.comm_init_rank(3, uid, r, blocking=False)
+        _poll(lib, pending.handle)
+        comm = pending.handle
+        if not lib.can_split:
+            return (lib.comm_user_rank(comm),)
+        child = lib.comm_split(comm, L.SPLIT_NOCOLOR if r == 1 else 0, -r, blocking=False)
+        assert child.handle == 0, "NCCL leaves *newcomm NULL until the split completed"
+        _poll(lib, comm)  # the split completes on the parent
+        if r == 1:
+            return (child.handle,)
+        _poll(lib, child.handle)
+        return lib.comm_count(child.handle), lib.comm_user_rank(child.handle)
+
+    got = _threads(3, rank)
+    assert got == ([(0,), (1,), (2,)] if version < 21800 else [(2, 1), (0,), (2, 0)])
+    assert not raw.stale_writes, raw.stale_writes
+
+
+def test_nccl_comm_blocking_env_is_reported(
+    fake: fake_nccl.FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL_COMM_BLOCKING=1 overrides the non-blocking config (init could no longer honour
+    the timeout): the backend says so, once, and still works."""
+    import warnings
+
+    from collectives.backends import _nccl_setup
+
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    monkeypatch.setattr(_nccl_setup, "_warned", __import__("threading").Event())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RankThreads.launch(2, timeout=LONG) as pool:
+            assert pool.run("bodies:ping", {"seed": 0})
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 1 and "NCCL_COMM_BLOCKING=1 is set" in texts[0], texts
+    assert "cannot honour the group's timeout" in texts[0]
+
+
 def test_candidate_paths_order(tmp_path: Path) -> None:
     (tmp_path / "libnccl.so.2").write_bytes(b"")
     paths = _nccl_load.candidate_paths({"NCCL_LIB_PATH": str(tmp_path)})
@@ -250,7 +314,7 @@ def test_real_library_init_without_gpu_fails_clearly(monkeypatch: pytest.MonkeyP
     lib = _real_lib()
     uid = lib.get_unique_id()
     with pytest.raises(L.NcclError) as info:
-        comm = lib.comm_init_rank(1, uid, 0, blocking=False)
+        comm = lib.comm_init_rank(1, uid, 0, blocking=False).handle
         # A library that accepted the call reports the failure asynchronously.
         deadline = time.monotonic() + 30
         while lib.comm_get_async_error(comm) == L.IN_PROGRESS and time.monotonic() < deadline:
@@ -389,6 +453,8 @@ def test_subgroup(
     # Every rank of the default group takes part in a split (one-rank groups are serial).
     splits = fake.counts["ncclCommSplit"] - before
     assert splits == (4 if split == "split" and len(members) > 1 else 0)
+    # NCCL wrote every child's handle late, into storage the backend still held.
+    assert not fake.stale_writes, fake.stale_writes
 
 
 @params(SIZES_N)
