@@ -49,6 +49,13 @@ class Cuda:
         """Make the group's GPU the calling thread's current device."""
         self.cp.cuda.Device(self.device).use()
 
+    def on_device(self) -> Any:
+        """``with cuda.on_device():`` the group's GPU is current, then the caller's again.
+
+        Every call enters it: the caller's null stream, new arrays and events follow the
+        calling thread's current device, which need not be the group's."""
+        return self.cp.cuda.Device(self.device)
+
     def current_stream(self) -> Any:
         try:
             return self.cp.cuda.get_current_stream(self.device)

@@ -371,9 +371,7 @@ class Nccl:
         return self.check(self.raw.ncclGroupEnd(), "ncclGroupEnd")
 
     # ------------------------------------------------------------------ communicators
-    def comm_init_rank(
-        self, nranks: int, uid: bytes, rank: int, *, blocking: bool
-    ) -> PendingComm:
+    def comm_init_rank(self, nranks: int, uid: bytes, rank: int, *, blocking: bool) -> PendingComm:
         """Start ``ncclCommInitRankConfig``; the handle may still be initializing.
 
         With ``blocking=False`` poll :meth:`comm_get_async_error` on ``result.handle`` until

@@ -140,6 +140,7 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
         self._watch_idle = False
         self._next_remote = 0.0
         self._dtype_cache: dict[Any, int] = {}
+        self._graves: list[tuple[Any, list[Any]]] = []  # (event, arrays): see _bury
         self.board = PeerBoard(info)
         self.comm = 0
         self.board.announce()
@@ -177,7 +178,7 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
     # ------------------------------------------------------------------ enqueue
     def submit(self, req: Request, async_op: bool) -> Work:
         """Enqueue ``req`` on the group's stream; return its Work (see the module docstring)."""
-        with self._lock:
+        with self._lock, self.cuda.on_device():  # whichever GPU the calling thread is on
             work = NcclWork(self, req)
             try:
                 self.check_usable(req.op, req.seq)
@@ -243,6 +244,8 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
     def poll(self) -> None:
         """Advance completions, checks and deadlines once (any thread)."""
         with self._lock:
+            if self._graves:
+                self._bury([])
             timed_out = self._progress(time.monotonic())
         if timed_out is not None:
             self._timeout(timed_out)
@@ -338,7 +341,8 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
             end = w.end
         if w._done or end is None:
             return
-        self.cuda.current_stream().wait_event(end)
+        with self.cuda.on_device():  # the caller's stream *of the group's GPU* waits
+            self.cuda.current_stream().wait_event(end)
         # (The fake CuPy's null stream waits on the host here; a failure found meanwhile is
         # in w._error, which the caller checks next.)
 
@@ -382,6 +386,7 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
             self._pending.clear()
             if culprit is not None and culprit not in works:
                 works.insert(0, culprit)
+            held: list[Any] = []
             for i, w in enumerate(works):
                 if w._done:
                     continue
@@ -389,12 +394,25 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
                     w.set_error(err)
                 else:
                     w.set_error(self.info.unusable(w.op, w.seq, err))
-                w.refs = []  # the aborted communicator no longer touches them
+                held += w.refs  # copies may still be queued on the stream: see _bury
+                w.refs = []
                 w.writebacks = []
             if first:
                 self._abort_comm()
+            self._bury(held)
         if first:
             self.board.tell_abort(err)
+
+    def _bury(self, held: list[Any]) -> None:
+        """Keep ``held`` (arrays of failed calls) until the group's stream is idle: the abort
+        stops NCCL, but copies queued before it may still run, and CuPy's pool would hand
+        their memory out again. Released by :meth:`poll` and :meth:`close`."""
+        self._graves = [(ev, arrs) for ev, arrs in self._graves if not ev.done]
+        if held:
+            with self.cuda.on_device():
+                ev = self.cuda.event()
+                ev.record(self.cuda.stream)
+            self._graves.append((ev, held))
 
     def _abort_comm(self) -> None:
         comm, self.comm = self.comm, 0
@@ -431,6 +449,17 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
         elif self.comm:
             with self._lock:
                 self._abort_comm()
+        self._release_graves()
+
+    def _release_graves(self) -> None:
+        """At close: wait (a little) for the stream, then let go; arrays of a stream that
+        never drains are kept for good (a leak, rather than memory reused under a copy)."""
+        end = time.monotonic() + 5.0
+        while self._graves and time.monotonic() < end:
+            self._bury([])
+            time.sleep(0.01)
+        _KEPT.extend(arrs for _ev, arrs in self._graves)
+        self._graves = []
 
     def _flush(self) -> bool:
         """ncclCommFinalize, polled; then ncclCommDestroy. Abort if it fails or hangs."""
@@ -477,6 +506,7 @@ def _probe() -> str | None:
 
 
 _LIVE: set[NcclBackend] = set()
+_KEPT: list[list[Any]] = []  # arrays of closed groups whose stream never drained
 
 
 # What ranks published on ending, in groups this process shares with them: setup waits quote it.

@@ -163,3 +163,64 @@ def host_cost(size: int, iters: int, device: bool) -> dict[str, float]:
     C.get_default_group().synchronize(timeout=60)
     total = time.perf_counter() - t0
     return {"issue_us": issued / iters * 1e6, "total_us": total / iters * 1e6}
+
+
+def other_device_thread(size: int) -> dict[str, Any]:
+    """The group's calls issued from a thread whose current GPU is another one (a process
+    that sees several GPUs): they must still run on the group's GPU and streams."""
+    import threading
+
+    import cupy
+
+    rank, n = _world()
+    g = C.get_default_group()
+    b: Any = g.backend
+    other = (b.device + 1) % cupy.cuda.runtime.getDeviceCount()
+    x = cupy.full(size, rank + 1.0, dtype=cupy.float32)  # on the group's GPU
+    h = np.full(size, rank + 1.0, dtype=np.float32)
+    out: dict[str, Any] = {"error": None}
+
+    def body() -> None:
+        cupy.cuda.Device(other).use()
+        try:
+            g.all_reduce(x)
+            g.all_reduce(h)
+            g.all_reduce(x, async_op=True).wait()
+            out["current"] = cupy.cuda.runtime.getDevice()
+        except BaseException as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=body, name=f"rank{rank}-other-gpu")
+    g.bind_thread(t)
+    t.start()
+    t.join(30)
+    g.bind_thread()
+    if out["error"] is None:
+        total = n * (n + 1) / 2
+        check(x.get(), np.full(size, total * n, dtype=np.float32), "all_reduce from another GPU")
+        check(h, np.full(size, total, dtype=np.float32), "staged all_reduce from another GPU")
+    return out
+
+
+def arrays_after_abort(size: int) -> dict[str, Any]:
+    """A group that fails while its stream still has queued copies keeps the arrays they
+    use until the stream is idle (CuPy's pool would otherwise hand them out again)."""
+    import threading
+    import weakref
+
+    from collectives._errors import CollectiveError
+
+    g = C.get_default_group()
+    b: Any = g.backend
+    gate = threading.Event()
+    b.cuda.stream._enqueue(lambda: gate.wait(30))  # the GPU is still busy with earlier work
+    w = g.all_reduce(np.ones(size, dtype=np.float32), async_op=True)
+    staged = [weakref.ref(r) for r in w.refs if not isinstance(r, np.ndarray)]
+    b.abort(b.info.error(CollectiveError, "all_reduce", None, "test: the group fails"))
+    held = [r() is not None for r in staged]
+    gate.set()
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in staged) and time.monotonic() < deadline:
+        b.poll()
+        time.sleep(0.01)
+    return {"staged": len(staged), "held": held, "released": all(r() is None for r in staged)}

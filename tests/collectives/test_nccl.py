@@ -800,3 +800,19 @@ def test_gpu_mismatch_fails_every_rank(n: int) -> None:
     for res in got:
         assert res["first"]["type"] == "CollectiveMismatchError", res
         assert res["after"]["type"] == "GroupAbortedError", res
+
+
+@params([2])
+def test_calls_from_a_thread_on_another_gpu_use_the_groups(pool: RankThreads) -> None:
+    """A thread whose current GPU is not the group's issues its calls: they run on the
+    group's GPU (the caller's stream of that GPU), and the thread's current GPU is kept."""
+    for rank, got in enumerate(pool.run("nccl_bodies:other_device_thread", {"size": 33})):
+        assert got["error"] is None, got["error"]
+        assert got["current"] == (rank + 1) % 2, got
+
+
+def test_failed_group_keeps_arrays_until_its_stream_is_idle(fresh: list[RankThreads]) -> None:
+    pool = launch(fresh, 2, timeout=LONG)
+    got = results(pool.call("nccl_bodies:arrays_after_abort", {"size": 1000}, ranks=[0]))[0]
+    assert got["staged"] == 1 and got["held"] == [True], got
+    assert got["released"], got

@@ -34,7 +34,7 @@ from ._kernels import (
     _unsupported,
     _with_ellipsis,
 )
-from ._stream import Stream
+from ._stream import Stream, _note_sync
 
 # cupy.f for np.f(fake_array) (``__array_function__``), filled in by ._functions.
 _NUMPY_FUNCTIONS: dict[str, Callable[..., Any]] = {}
@@ -140,8 +140,10 @@ class ndarray:
         self, stream: Any = None, order: str = "C", out: Host | None = None, blocking: bool = True
     ) -> Host:
         """Copy to a new NumPy array (or into ``out``), after ``stream``'s queued work."""
-        if isinstance(stream, Stream):
-            stream.synchronize()  # a device-to-host copy is ordered on its stream
+        if isinstance(stream, Stream) and not stream._is_null:
+            stream._wait_for(stream._submitted)  # a device-to-host copy is ordered on its stream
+        if blocking:
+            _note_sync("ndarray.get")
         host = np.array(self._a, order=order, copy=True)  # type: ignore[call-overload]
         if out is None:
             return host
@@ -175,9 +177,11 @@ class ndarray:
         self._a[...] = arr
 
     def item(self) -> Any:
+        _note_sync("ndarray.item")
         return self._a.item()
 
     def tolist(self) -> Any:
+        _note_sync("ndarray.tolist")
         return self._a.tolist()
 
     def tobytes(self, order: str = "C") -> bytes:
