@@ -64,7 +64,7 @@ from .._work import Work
 from . import _nccl_lib as binding  # public face: the binding's constants, for tools
 from . import _nccl_lib as nccl_lib
 from . import _nccl_load
-from ._nccl_cuda import Cuda, device_count
+from ._nccl_cuda import D2H, Cuda, device_count
 from ._nccl_lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
 from ._nccl_ops import NcclOps, error_from
 from ._nccl_peers import UNCAUGHT, PeerBoard, last_words
@@ -216,11 +216,24 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
             self.handler(req.op)(req, work)
         except NcclError as exc:
             raise error_from(self.info, exc, req.op, req.seq) from exc
+        if work.writebacks:
+            self._stage_down(work)
         end = cuda.event()
         end.record(stream)
         work.end = end
         if req.op == "barrier":
             work.host_sync = True  # nobody leaves before everyone arrived
+
+    def _stage_down(self, work: NcclWork) -> None:
+        """Results for NumPy arrays go to pinned memory on the stream, after the call; once
+        it completed the host copies them out (no device access, so no host wait then)."""
+        staged = []
+        for dev, host in work.writebacks:
+            mem, pinned = self.cuda.pinned(host.nbytes)
+            self.cuda.memcpy(int(mem.ptr), int(dev.data.ptr), host.nbytes, D2H, self.cuda.stream)
+            work.refs.append(mem)
+            staged.append((pinned, host))
+        work.writebacks = staged
 
     def _enqueue_signature(self, req: Request, work: NcclWork) -> None:
         """Exchange ``req``'s record, once the slot's previous call was checked."""
@@ -292,8 +305,8 @@ class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
 
     def _finish(self, w: NcclWork) -> None:
         try:
-            for dev, host in w.writebacks:
-                self.cuda.download(dev, host)
+            for pinned, host in w.writebacks:
+                host.reshape(-1).view(np.uint8)[...] = pinned
         except Exception as exc:
             detail = f"copying the result back to the host failed: {type(exc).__name__}: {exc}"
             w.set_error(self.info.error(CollectiveError, w.op, w.seq, detail))

@@ -23,6 +23,9 @@ strict as real CuPy wherever code that is wrong on a GPU would still pass on Num
   float32/float64, copying a strided array between devices raises ``NotImplementedError``, and
   ``empty`` is filled with NaN (or the largest integer) the way device memory holds garbage.
 * Only the API built in :func:`make_modules` exists; anything else raises ``AttributeError``.
+* Integer index arrays are *not* bounds-checked, as in CuPy: ``a[idx]``, ``a[idx] = v`` and
+  ``cupyx.scatter_add`` wrap an index ``i`` of an axis of ``n`` to ``i mod n`` (a Python int
+  index still raises ``IndexError``, as in CuPy).
 
 Streams are asynchronous as on a GPU (see ``_stream``): kernels run on the host at once, but
 the null stream's events complete a moment after their record; other streams are ordered
@@ -32,8 +35,9 @@ work before them has run. Streams and events belong to a device (recording an ev
 device's stream raises), and :func:`host_syncs` lists what made a host thread wait for the
 device, so a test can require a step without host synchronization.
 
-Deliberate differences: integer index arrays are bounds-checked (CuPy wraps them around),
-NumPy's type promotion rules apply, kernels are synchronous, and broadcast views are read-only.
+Deliberate differences: NumPy 2's type promotion rules apply (those of CuPy 14, which the
+project requires), kernels compute at once (their streams' asynchrony is modelled, see
+above), and broadcast views are read-only.
 
 The package: ``_device`` (knobs, devices, the runtime's device calls), ``_stream`` (streams,
 events, pinned memory, ``memcpyAsync``), ``_array`` (``ndarray`` and the kernel plumbing),

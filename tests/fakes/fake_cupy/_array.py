@@ -33,6 +33,7 @@ from ._kernels import (
     _unary,
     _unsupported,
     _with_ellipsis,
+    _wrap_indices,
 )
 from ._stream import Stream, _note_sync
 
@@ -324,7 +325,7 @@ class ndarray:
         device_id = _current.device
         for a in (self, *fakes):
             _check_peer(a, device_id)
-        return _fresh(self._a[host_index], device_id, (self._a,))
+        return _fresh(self._a[_wrap_indices(host_index, self._a.shape)], device_id, (self._a,))
 
     def __setitem__(self, index: Any, value: Any) -> None:
         device_id = _current.device
@@ -334,7 +335,9 @@ class ndarray:
             for a in (self, *fakes):
                 _check_peer(a, device_id)
             v = value if isinstance(value, _SCALARS) else array(value, dtype=self.dtype)
-            self._a[host_index] = v._a if isinstance(v, ndarray) else v
+            self._a[_wrap_indices(host_index, self._a.shape)] = (
+                v._a if isinstance(v, ndarray) else v
+            )
             return
         target = self._a[_with_ellipsis(host_index)]
         if not isinstance(value, ndarray):
