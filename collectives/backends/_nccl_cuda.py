@@ -39,7 +39,6 @@ class Cuda:
         self.runtime = cp.cuda.runtime
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self._events: list[Any] = []
 
     def device_count(self) -> int:
@@ -84,8 +83,3 @@ class Cuda:
     def memcpy(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> None:
         """``cudaMemcpyAsync`` on ``stream`` (``kind``: :data:`H2D` or :data:`D2H`)."""
         self.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-
-    def download(self, dev: Any, host: np.ndarray[Any, Any]) -> None:
-        """Copy a finished device array into the user's NumPy array."""
-        with self.cp.cuda.Device(self.device):
-            dev.get(stream=self.copy_stream, out=host)
