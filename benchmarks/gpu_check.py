@@ -205,7 +205,12 @@ def nccl_world_sizes(info: dict[str, Any]) -> tuple[list[int], str]:
     if gpus >= 2:
         return [1, min(gpus, 4)], f"{gpus} GPUs: one rank per GPU"
     if version >= version_code(2, 30, 0):
-        return [1, 2, 4], "one GPU, NCCL >= 2.30: ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+        # NCCL 2.30 supports up to 2 ranks per GPU (NVLS off there; NCCL_MAX_CTAS against
+        # running out of resources): docs/nccl.md "Several ranks on one GPU".
+        return [1, 2], (
+            "one GPU, NCCL >= 2.30: 2 ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL "
+            "supports at most 2 ranks per GPU)"
+        )
     return [1], (
         f"one GPU and NCCL {info.get('nccl_ours')} < 2.30, which refuses ranks sharing a GPU "
         "('Duplicate GPU detected'): world size 1 only"

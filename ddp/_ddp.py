@@ -15,7 +15,9 @@ How it works:
   communication thread (in bucket order on every rank) while backward goes on. A callback
   queued for the end of ``backward()`` launches what is left, waits for every bucket, and
   checks (with one tiny all-reduce) that no rank missed a parameter, so that when
-  ``loss.backward()`` returns every ``.grad`` holds the average over ranks.
+  ``loss.backward()`` returns every ``.grad`` holds the average over ranks. On nccl with the
+  buckets on a GPU that check is read at the next synchronized backward instead (see
+  ``_defers_control``), so that a step makes no host synchronization.
 * Under :func:`ddp.join` (``ddp/_join.py``) each forward first tells the other ranks that this
   rank has data, ranks that ran out shadow the others' collectives, and the buckets are scaled
   so that they hold the average over the ranks that had data in that step.
@@ -142,6 +144,8 @@ class DistributedDataParallel(Module):
         self._require_sync = True
         # The active ddp.join context, if any (it sets _grad_scale for each synchronized step).
         self._join: Join | None = None
+        # nccl: the last control check, read at the next backward (see _defers_control).
+        self._deferred: tuple[Work, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
         self._grad_scale = 1.0
         self._named = list(module.named_parameters())
         # Options that decide which collectives DDP issues must agree too: different bucket
@@ -472,10 +476,43 @@ class DistributedDataParallel(Module):
                     # Under join with k of N ranks active: the hook averaged over N, the
                     # average over the k ranks that had data is N/k times that.
                     b.buffer *= b.buffer.dtype.type(self._grad_scale)
-            self.process_group.all_reduce(control, ReduceOp.SUM)
+            self._check_deferred()
+            if self._defers_control():
+                # nccl: issue the check now, read it at the next synchronized backward (the
+                # stream runs it before that step's buckets): no host sync in this step.
+                sent = control.copy()
+                work = self.process_group.all_reduce(sent, ReduceOp.SUM, async_op=True)
+                self._deferred = (work, sent, self._used.copy())
+                control[:] = 0
+            else:
+                self.process_group.all_reduce(control, ReduceOp.SUM)
         except BaseException as exc:
             return exc
         return None
+
+    def _defers_control(self) -> bool:
+        """Whether the control check waits for the next backward: on a backend that takes
+        device arrays (nccl) with every bucket on a GPU, a host wait for it would wait for
+        every bucket; not with find_unused_parameters (it needs the result now) nor under
+        join (whose shadow steps check at once)."""
+        backend = getattr(self.process_group, "backend", None)
+        return (
+            bool(getattr(backend, "accepts_device_arrays", False))
+            and not self.find_unused_parameters
+            and self._join is None
+            and all(b.device.type == "cuda" for b in self._buckets)
+        )
+
+    def _check_deferred(self) -> None:
+        """Read the previous backward's deferred control check (every rank does, at the same
+        step) and raise, naming the parameters, when some rank missed one then."""
+        if self._deferred is None:
+            return
+        work, sent, used = self._deferred
+        self._deferred = None
+        work.wait()  # ran before this step's buckets, which were just waited for
+        if sent[0] > 0:
+            self._raise_missing(used, "the previous backward")
 
     def _record_stats(self, wait_s: float) -> None:
         self.stats = StepStats(
@@ -493,7 +530,7 @@ class DistributedDataParallel(Module):
             if control[1 + k] == 0:
                 p.grad = None
 
-    def _raise_missing(self, used_local: np.ndarray[Any, Any]) -> None:
+    def _raise_missing(self, used_local: np.ndarray[Any, Any], when: str = "this backward") -> None:
         """Some rank missed a parameter (without find_unused_parameters): raise on every rank,
         naming each rank's missing parameters."""
         group = self.process_group
@@ -504,7 +541,7 @@ class DistributedDataParallel(Module):
         detail = "; ".join(f"rank {group.ranks[r]}: {lst}" for r, lst in enumerate(every) if lst)
         raise RuntimeError(
             f"[rank {collectives.get_rank()}] DistributedDataParallel: parameters received "
-            f"no gradient in this backward ({detail}). Pass find_unused_parameters=True if "
+            f"no gradient in {when} ({detail}). Pass find_unused_parameters=True if "
             "some parameters are legitimately unused in a step"
         )
 

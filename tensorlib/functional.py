@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from ._random import Generator, default_generator
 from ._tensor import Tensor
 
 __all__ = [
+    "check_indices",
     "cross_entropy",
     "dropout",
     "embedding",
@@ -29,6 +31,51 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+# TENSORLIB_CHECK_INDICES=1: GPU index checks in flight (event, pinned count, message).
+_CHECK_ENV = "TENSORLIB_CHECK_INDICES"
+_device_checks: list[tuple[Any, Any, Any, str]] = []
+
+
+def _check_on_device(bad: Any, like: Tensor, message: str) -> None:
+    """With TENSORLIB_CHECK_INDICES=1: count the ``bad`` indices on the GPU and copy the count
+    to pinned memory without waiting (CuPy wraps out-of-range indices instead of raising);
+    raise for an earlier check whose count has arrived (see :func:`check_indices`)."""
+    if os.environ.get(_CHECK_ENV, "") != "1":
+        return
+    cp = like.device.xp
+    with like.device:
+        count = bad.astype(cp.int64).sum().reshape(1)
+        mem = cp.cuda.alloc_pinned_memory(8)
+        host = np.frombuffer(mem, dtype=np.int64, count=1)
+        count.get(out=host, blocking=False)  # asynchronous into pinned memory
+        ev = cp.cuda.Event(block=False, disable_timing=True)
+        ev.record()
+    _device_checks.append((ev, host, mem, message))
+    _raise_arrived(wait=False)
+
+
+def _raise_arrived(wait: bool) -> None:
+    while _device_checks and (wait or _device_checks[0][0].done):
+        ev, host, _mem, message = _device_checks.pop(0)
+        if wait:
+            ev.synchronize()
+        if host[0]:
+            _device_checks.clear()
+            raise IndexError(
+                f"{message} ({int(host[0])} index(es), found by {_CHECK_ENV}=1 on the GPU after "
+                "the call: CuPy wraps such indices around, so the results since are wrong)"
+            )
+
+
+def check_indices() -> None:
+    """Wait for the GPU index checks still in flight (``TENSORLIB_CHECK_INDICES=1``) and raise
+    ``IndexError`` if one found an index out of range. Without the variable, a no-op.
+
+    Raises:
+        IndexError: an embedding index or cross-entropy target was out of range on a GPU.
+    """
+    _raise_arrived(wait=True)
 
 
 def relu(x: Tensor) -> Tensor:
@@ -113,7 +160,8 @@ def cross_entropy(
 
     Raises:
         ValueError: on shape mismatches, ``label_smoothing`` outside [0, 1], or (on the CPU)
-            targets out of range.
+            targets out of range. On a GPU such targets are wrapped around, as CuPy does,
+            unless ``TENSORLIB_CHECK_INDICES=1`` (see :func:`check_indices`).
         TypeError: when targets are not integers.
     """
     _check_reduction("cross_entropy", reduction)
@@ -145,6 +193,9 @@ def cross_entropy(
             first = int(t[bad][0])
             raise ValueError(f"cross_entropy: target {first} is out of range for {c} classes")
     t = _on_device(t, logits, "cross_entropy", "target")
+    if not isinstance(t, np.ndarray) and t.size:
+        bad = ((t < 0) | (t >= c)) & (t != ignore_index)
+        _check_on_device(bad, logits, f"cross_entropy: a target is out of range for {c} classes")
     flat = logits
     if logits.ndim == 1:
         flat = logits.reshape(1, c)
@@ -253,7 +304,8 @@ def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = N
 
     Raises:
         TypeError: when the indices are not integers.
-        IndexError: (on the CPU) for indices out of range.
+        IndexError: (on the CPU) for indices out of range; on a GPU CuPy wraps them around,
+            unless ``TENSORLIB_CHECK_INDICES=1`` (see :func:`check_indices`).
         ValueError: for a ``padding_idx`` out of range.
     """
     idx = indices._data if isinstance(indices, Tensor) else indices
@@ -268,6 +320,12 @@ def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = N
             bad = lo if lo < 0 else hi
             raise IndexError(f"embedding: index {bad} is out of range for {num} embeddings")
     padding_idx = _padding_index(padding_idx, num, "embedding")
+    if not isinstance(idx, np.ndarray) and idx.size:
+        _check_on_device(
+            (idx < 0) | (idx >= num),
+            weight,
+            f"embedding: an index is out of range for {num} embeddings",
+        )
     return _nn.Embedding.apply(
         weight, index=_on_device(idx, weight, "embedding", "indices"), padding_idx=padding_idx
     )

@@ -298,3 +298,45 @@ def test_the_gpu_checks_example_and_timing_steps_run_on_a_fake_gpu(
     assert mlp_step.main(argv) == 0
     out = capsys.readouterr().out
     assert "tensorlib" in out and "cuda" in out, out
+
+
+def test_integer_index_arrays_wrap_around_as_in_cupy(cp: Any) -> None:
+    """CuPy does not bounds-check integer index arrays (it wraps them), nor does its scatter:
+    the fake must not raise where a GPU silently picks another element."""
+    a = cp.arange(5.0)
+    assert a[cp.asarray([7, -6, 2])].get().tolist() == [2.0, 4.0, 2.0]
+    b = cp.zeros((2, 3))
+    b[cp.asarray([3]), cp.asarray([-4])] = 1.0
+    assert b.get().tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    c = cp.zeros(3)
+    fake_cupy.scatter_add(c, cp.asarray([4, 4, -1]), 1.0)
+    assert c.get().tolist() == [0.0, 2.0, 1.0]
+    with pytest.raises(IndexError):
+        a[7]  # a Python int is basic indexing: CuPy raises too
+
+
+def test_out_of_range_indices_on_a_gpu_wrap_unless_checked(
+    two_gpus: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """embedding / cross_entropy with an index out of range: silently wrapped on a GPU, as
+    with CuPy; TENSORLIB_CHECK_INDICES=1 finds it on the device (no host sync per call) and
+    raises at a later call or at F.check_indices()."""
+    import tensorlib.functional as F
+
+    weight = tl.tensor(np.arange(8.0, dtype=np.float32).reshape(4, 2), device="cuda:0")
+    idx = tl.tensor(np.array([1, 5]), device="cuda:0")
+    assert F.embedding(idx, weight).to("cpu").data.tolist() == [[2.0, 3.0], [2.0, 3.0]]
+    logits = tl.tensor(np.zeros((2, 3), dtype=np.float32), device="cuda:0")
+    F.cross_entropy(logits, tl.tensor(np.array([0, 3]), device="cuda:0"))  # no error
+    F.check_indices()  # nothing checked without the variable
+    monkeypatch.setenv("TENSORLIB_CHECK_INDICES", "1")
+    F.embedding(tl.tensor(np.array([1, 3]), device="cuda:0"), weight)
+    F.check_indices()  # in range: fine
+    fake_cupy.host_syncs(reset=True)
+    F.embedding(idx, weight)
+    assert "ndarray.get" not in fake_cupy.host_syncs(), "the check waited for the GPU"
+    with pytest.raises(IndexError, match="embedding: an index is out of range for 4"):
+        F.check_indices()
+    F.cross_entropy(logits, tl.tensor(np.array([0, 3]), device="cuda:0"))
+    with pytest.raises(IndexError, match="cross_entropy: a target is out of range for 3"):
+        F.check_indices()

@@ -39,7 +39,6 @@ class Cuda:
         self.runtime = cp.cuda.runtime
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self._events: list[Any] = []
 
     def device_count(self) -> int:
@@ -48,6 +47,13 @@ class Cuda:
     def use(self) -> None:
         """Make the group's GPU the calling thread's current device."""
         self.cp.cuda.Device(self.device).use()
+
+    def on_device(self) -> Any:
+        """``with cuda.on_device():`` the group's GPU is current, then the caller's again.
+
+        Every call enters it: the caller's null stream, new arrays and events follow the
+        calling thread's current device, which need not be the group's."""
+        return self.cp.cuda.Device(self.device)
 
     def current_stream(self) -> Any:
         try:
@@ -77,8 +83,3 @@ class Cuda:
     def memcpy(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> None:
         """``cudaMemcpyAsync`` on ``stream`` (``kind``: :data:`H2D` or :data:`D2H`)."""
         self.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-
-    def download(self, dev: Any, host: np.ndarray[Any, Any]) -> None:
-        """Copy a finished device array into the user's NumPy array."""
-        with self.cp.cuda.Device(self.device):
-            dev.get(stream=self.copy_stream, out=host)

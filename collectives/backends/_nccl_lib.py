@@ -9,6 +9,13 @@ names and C calling convention, see tests/fakes/fake_nccl.py) and turns every no
 into an :class:`NcclError` carrying the code's name, ``ncclGetErrorString`` and
 ``ncclGetLastError``. Out-parameters are passed as ctypes instances; ctypes adds the pointer
 (``byref``) itself for ``POINTER(...)`` argtypes, and a fake receives the instance.
+
+A non-blocking init or split may write the ``ncclComm_t`` *after* it returned: ``ncclCommSplit``
+leaves ``*newcomm`` NULL and writes the child's handle from its own thread once the split
+completed (NCCL's ``src/init.cc``; NVIDIA/nccl#1472), and NCCL 2.14-2.17 use the caller's
+pointer from their init thread. So :meth:`Nccl.comm_init_rank` and :meth:`Nccl.comm_split`
+return a :class:`PendingComm` that owns that storage: keep it until the call completed, and
+read :attr:`PendingComm.handle` only then (a split: once the *parent* is no longer in progress).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ __all__ = [
     "Nccl",
     "NcclError",
     "NcclUnavailableError",
+    "PendingComm",
     "UniqueId",
     "nccl_dtype",
     "nccl_op",
@@ -183,6 +191,33 @@ class Config(ctypes.Structure):
             version=version,
             blocking=1 if blocking else 0,
         )
+
+
+class PendingComm:
+    """The ``ncclComm_t`` storage an init or split was given, alive as long as this object.
+
+    NCCL may write the handle into it after the call returned (see the module docstring), so
+    whoever started the call keeps this until the call completed (or forever, when it was
+    abandoned: 8 bytes, against NCCL writing into freed memory).
+
+    Attributes:
+        call: the NCCL function that was given the storage.
+        slot: the storage itself (a ``ncclComm_t``).
+    """
+
+    __slots__ = ("call", "slot")
+
+    def __init__(self, call: str) -> None:
+        self.call = call
+        self.slot = ctypes.c_void_p()
+
+    @property
+    def handle(self) -> int:
+        """The communicator NCCL wrote (0: none yet, or none for this rank)."""
+        return int(self.slot.value or 0)
+
+    def __repr__(self) -> str:
+        return f"<PendingComm {self.call} {self.handle:#x}>"
 
 
 class NcclError(RuntimeError):
@@ -336,36 +371,44 @@ class Nccl:
         return self.check(self.raw.ncclGroupEnd(), "ncclGroupEnd")
 
     # ------------------------------------------------------------------ communicators
-    def comm_init_rank(self, nranks: int, uid: bytes, rank: int, *, blocking: bool) -> int:
+    def comm_init_rank(self, nranks: int, uid: bytes, rank: int, *, blocking: bool) -> PendingComm:
         """Start ``ncclCommInitRankConfig``; the handle may still be initializing.
 
-        With ``blocking=False`` poll :meth:`comm_get_async_error` until it is not
-        in-progress. On failure the half-made communicator is aborted before raising.
+        With ``blocking=False`` poll :meth:`comm_get_async_error` on ``result.handle`` until
+        it is not in-progress, keeping the result alive meanwhile (NCCL before 2.18 uses its
+        storage from the init thread). On failure the half-made communicator is aborted
+        before raising.
         """
-        comm = ctypes.c_void_p()
+        pending = PendingComm("ncclCommInitRankConfig")
         config = Config.make(self.version, blocking)
         rc = self.raw.ncclCommInitRankConfig(
-            comm, int(nranks), UniqueId.from_bytes(uid), int(rank), config
+            pending.slot, int(nranks), UniqueId.from_bytes(uid), int(rank), config
         )
         if rc != SUCCESS and rc != IN_PROGRESS:
-            err = self.error(rc, "ncclCommInitRankConfig", comm.value)
-            if comm.value:
-                self.raw.ncclCommAbort(comm.value)
+            err = self.error(rc, "ncclCommInitRankConfig", pending.handle)
+            if pending.handle:
+                self.raw.ncclCommAbort(pending.handle)
             raise err
-        return int(comm.value or 0)
+        return pending
 
-    def comm_split(self, comm: int, color: int, key: int, *, blocking: bool) -> int:
+    def comm_split(self, comm: int, color: int, key: int, *, blocking: bool) -> PendingComm:
         """Start ``ncclCommSplit``: every rank of ``comm`` calls it; ``color`` -1 (NOCOLOR)
-        takes no part in a new communicator and gets 0 back."""
-        new = ctypes.c_void_p()
+        takes no part in a new communicator.
+
+        ``blocking`` is the *child's* mode; whether this call blocks is the parent's. With a
+        non-blocking parent NCCL returns in-progress and writes the child's handle into the
+        result later: poll :meth:`comm_get_async_error` on the *parent* until it is not
+        in-progress, keeping the result alive, then read ``result.handle`` (0 for NOCOLOR).
+        """
+        pending = PendingComm("ncclCommSplit")
         config = Config.make(self.version, blocking)
-        rc = self.raw.ncclCommSplit(comm, int(color), int(key), new, config)
+        rc = self.raw.ncclCommSplit(comm, int(color), int(key), pending.slot, config)
         if rc != SUCCESS and rc != IN_PROGRESS:
             err = self.error(rc, "ncclCommSplit", comm)
-            if new.value:
-                self.raw.ncclCommAbort(new.value)
+            if pending.handle:
+                self.raw.ncclCommAbort(pending.handle)
             raise err
-        return int(new.value or 0)
+        return pending
 
     def comm_get_async_error(self, comm: int) -> int:
         """The communicator's state: success, in-progress, or the error it hit."""

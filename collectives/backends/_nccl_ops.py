@@ -18,7 +18,7 @@ from .._backend import GroupInfo, Request
 from .._errors import CollectiveError, CollectiveTimeoutError, PeerFailureError
 from .._types import ReduceOp
 from . import _nccl_lib as nccl_lib
-from ._nccl_cuda import Cuda
+from ._nccl_cuda import H2D, Cuda
 from ._nccl_work import NcclWork
 
 __all__ = ["NcclOps", "error_from"]
@@ -63,7 +63,11 @@ class NcclOps:
             return arr
         dev = self.cuda.empty(arr.shape, arr.dtype)
         if upload and arr.size:
-            dev.set(arr, stream=self.cuda.stream)
+            # Through pinned memory: a copy from pageable memory may wait for the stream.
+            mem, host = self.cuda.pinned(arr.nbytes)
+            host[...] = arr.reshape(-1).view(np.uint8)
+            self.cuda.memcpy(int(dev.data.ptr), int(mem.ptr), arr.nbytes, H2D, self.cuda.stream)
+            work.refs.append(mem)
         work.refs.append(dev)
         work.host_sync = True
         if download and arr.size:

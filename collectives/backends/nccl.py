@@ -5,7 +5,8 @@ thread's current device). Rank 0 makes the ``ncclUniqueId`` and shares it throug
 every rank starts a *non-blocking* ``ncclCommInitRankConfig`` and polls
 ``ncclCommGetAsyncError``, so init honours the group's timeout. ``new_group`` splits the
 default group's communicator (``ncclCommSplit``, NCCL 2.18+) or, on older libraries, makes a
-fresh unique id for the members.
+fresh unique id for the members. Setup, and why the handles' storage outlives the calls, is
+``_nccl_setup``.
 
 A collective, issued from the group's thread (see ``ProcessGroup.bind_thread``):
 
@@ -63,14 +64,15 @@ from .._work import Work
 from . import _nccl_lib as binding  # public face: the binding's constants, for tools
 from . import _nccl_lib as nccl_lib
 from . import _nccl_load
-from ._nccl_cuda import Cuda, device_count
+from ._nccl_cuda import D2H, Cuda, device_count
 from ._nccl_lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
 from ._nccl_ops import NcclOps, error_from
 from ._nccl_peers import UNCAUGHT, PeerBoard, last_words
+from ._nccl_setup import NcclSetup
 from ._nccl_sigring import SignatureRing
 from ._nccl_watch import NcclWatchdog
 from ._nccl_work import NcclWork
-from ._setup_wait import SetupWatch, register_last_words, setup_op
+from ._setup_wait import register_last_words
 
 __all__ = [
     "Nccl",
@@ -84,7 +86,6 @@ __all__ = [
 ]
 
 _CLOSE_LIMIT = 30.0  # at most this long to flush a communicator on destroy
-_WATCH_EVERY = 0.25  # how often a pending init or split looks at the peers (see SetupWatch)
 
 
 def load_library() -> Nccl:
@@ -105,7 +106,7 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
 
 
-class NcclBackend(NcclOps, NcclWatchdog, Backend):
+class NcclBackend(NcclSetup, NcclOps, NcclWatchdog, Backend):
     """NCCL collectives on CuPy arrays (NumPy arrays staged through the GPU).
 
     Args:
@@ -139,6 +140,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         self._watch_idle = False
         self._next_remote = 0.0
         self._dtype_cache: dict[Any, int] = {}
+        self._graves: list[tuple[Any, list[Any]]] = []  # (event, arrays): see _bury
         self.board = PeerBoard(info)
         self.comm = 0
         self.board.announce()
@@ -152,92 +154,6 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         _LIVE.add(self)
         if self.size > 1:
             on_uncaught(_tell_peers_uncaught)
-
-    # ------------------------------------------------------------------ setup
-    def _make_comm(self, parent: NcclBackend | None) -> int:
-        deadline = time.monotonic() + self.info.timeout
-        # Setup waits fail fast, naming the rank, when a peer dies or leaves meanwhile.
-        watch = SetupWatch(self.info, setup_op(self.info))
-        if parent is not None:
-            with parent._lock:
-                parent.check_usable("new_group", parent._issued)
-                comm = self._call_init(
-                    lambda: self.lib.comm_split(parent.comm, 0, self.rank, blocking=False),
-                )
-                self._settle_init(comm, "ncclCommSplit", deadline, watch)
-                parent._settle_init(
-                    parent.comm, "ncclCommSplit (parent)", deadline, watch, abort=False
-                )
-        else:
-            uid = self.board.share_unique_id(self.lib.get_unique_id, deadline, watch)
-            comm = self._call_init(
-                lambda: self.lib.comm_init_rank(self.size, uid, self.rank, blocking=False),
-            )
-            self._settle_init(comm, "ncclCommInitRankConfig", deadline, watch)
-        try:
-            count = self.lib.comm_count(comm)
-            rank = self.lib.comm_user_rank(comm)
-            dev = self.lib.comm_cu_device(comm)
-        except NcclError as exc:
-            self.lib.comm_abort(comm)
-            raise error_from(self.info, exc, "init") from exc
-        if (count, rank) != (self.size, self.rank) or dev != self.device:
-            self.lib.comm_abort(comm)
-            raise self.info.error(
-                CollectiveError,
-                "init",
-                None,
-                f"NCCL made a communicator of {count} ranks with this rank as {rank} on "
-                f"cuda:{dev}; expected {self.size} ranks, rank {self.rank}, cuda:{self.device}",
-            )
-        return comm
-
-    def _call_init(self, start: Any) -> int:
-        try:
-            return int(start())
-        except NcclError as exc:
-            raise error_from(self.info, exc, "init") from exc
-
-    def _settle_init(
-        self, comm: int, call: str, deadline: float, watch: SetupWatch, abort: bool = True
-    ) -> None:
-        """Poll a communicator that is initializing (or splitting) until it is ready; fail
-        fast (``watch``) when a peer dies meanwhile, as NCCL would wait for it forever."""
-        pause = 0.0002
-        next_check = time.monotonic() + _WATCH_EVERY
-        while True:
-            try:
-                state = self.lib.comm_get_async_error(comm)
-            except NcclError as exc:
-                raise error_from(self.info, exc, "init") from exc
-            if state == nccl_lib.SUCCESS:
-                return
-            if state != nccl_lib.IN_PROGRESS:
-                err = self.lib.error(state, call, comm)
-                if abort:
-                    self.lib.comm_abort(comm)
-                raise error_from(self.info, err, "init") from err
-            if time.monotonic() >= deadline:
-                if abort:
-                    self.lib.comm_abort(comm)
-                missing = self.board.not_joined()
-                detail = f"; ranks {missing} never joined" if missing else ""
-                raise self.info.error(
-                    CollectiveTimeoutError,
-                    "init",
-                    None,
-                    f"{call} did not complete within {self.info.timeout:g} s{detail}",
-                )
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + _WATCH_EVERY
-                try:
-                    watch.check(f"finish {call}")
-                except CollectiveError:
-                    if abort:
-                        self.lib.comm_abort(comm)
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
 
     # ------------------------------------------------------------------ contract hooks
     def device_problem(self, array: Any) -> str | None:
@@ -256,24 +172,13 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
             return None
         if info is not None:
             return NcclBackend(info, parent=self)
-        deadline = time.monotonic() + self.info.timeout
-        watch = SetupWatch(self.info, "new_group")  # see _make_comm
-        with self._lock:
-            self.check_usable("new_group", self._issued)
-            self._call_init(
-                lambda: self.lib.comm_split(
-                    self.comm, nccl_lib.SPLIT_NOCOLOR, self.rank, blocking=False
-                ),
-            )
-            self._settle_init(
-                self.comm, "ncclCommSplit (not a member)", deadline, watch, abort=False
-            )
+        self._split_out()
         return None
 
     # ------------------------------------------------------------------ enqueue
     def submit(self, req: Request, async_op: bool) -> Work:
         """Enqueue ``req`` on the group's stream; return its Work (see the module docstring)."""
-        with self._lock:
+        with self._lock, self.cuda.on_device():  # whichever GPU the calling thread is on
             work = NcclWork(self, req)
             try:
                 self.check_usable(req.op, req.seq)
@@ -311,11 +216,24 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
             self.handler(req.op)(req, work)
         except NcclError as exc:
             raise error_from(self.info, exc, req.op, req.seq) from exc
+        if work.writebacks:
+            self._stage_down(work)
         end = cuda.event()
         end.record(stream)
         work.end = end
         if req.op == "barrier":
             work.host_sync = True  # nobody leaves before everyone arrived
+
+    def _stage_down(self, work: NcclWork) -> None:
+        """Results for NumPy arrays go to pinned memory on the stream, after the call; once
+        it completed the host copies them out (no device access, so no host wait then)."""
+        staged = []
+        for dev, host in work.writebacks:
+            mem, pinned = self.cuda.pinned(host.nbytes)
+            self.cuda.memcpy(int(mem.ptr), int(dev.data.ptr), host.nbytes, D2H, self.cuda.stream)
+            work.refs.append(mem)
+            staged.append((pinned, host))
+        work.writebacks = staged
 
     def _enqueue_signature(self, req: Request, work: NcclWork) -> None:
         """Exchange ``req``'s record, once the slot's previous call was checked."""
@@ -339,6 +257,8 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
     def poll(self) -> None:
         """Advance completions, checks and deadlines once (any thread)."""
         with self._lock:
+            if self._graves:
+                self._bury([])
             timed_out = self._progress(time.monotonic())
         if timed_out is not None:
             self._timeout(timed_out)
@@ -385,8 +305,8 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
 
     def _finish(self, w: NcclWork) -> None:
         try:
-            for dev, host in w.writebacks:
-                self.cuda.download(dev, host)
+            for pinned, host in w.writebacks:
+                host.reshape(-1).view(np.uint8)[...] = pinned
         except Exception as exc:
             detail = f"copying the result back to the host failed: {type(exc).__name__}: {exc}"
             w.set_error(self.info.error(CollectiveError, w.op, w.seq, detail))
@@ -434,7 +354,8 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
             end = w.end
         if w._done or end is None:
             return
-        self.cuda.current_stream().wait_event(end)
+        with self.cuda.on_device():  # the caller's stream *of the group's GPU* waits
+            self.cuda.current_stream().wait_event(end)
         # (The fake CuPy's null stream waits on the host here; a failure found meanwhile is
         # in w._error, which the caller checks next.)
 
@@ -478,6 +399,7 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
             self._pending.clear()
             if culprit is not None and culprit not in works:
                 works.insert(0, culprit)
+            held: list[Any] = []
             for i, w in enumerate(works):
                 if w._done:
                     continue
@@ -485,12 +407,25 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
                     w.set_error(err)
                 else:
                     w.set_error(self.info.unusable(w.op, w.seq, err))
-                w.refs = []  # the aborted communicator no longer touches them
+                held += w.refs  # copies may still be queued on the stream: see _bury
+                w.refs = []
                 w.writebacks = []
             if first:
                 self._abort_comm()
+            self._bury(held)
         if first:
             self.board.tell_abort(err)
+
+    def _bury(self, held: list[Any]) -> None:
+        """Keep ``held`` (arrays of failed calls) until the group's stream is idle: the abort
+        stops NCCL, but copies queued before it may still run, and CuPy's pool would hand
+        their memory out again. Released by :meth:`poll` and :meth:`close`."""
+        self._graves = [(ev, arrs) for ev, arrs in self._graves if not ev.done]
+        if held:
+            with self.cuda.on_device():
+                ev = self.cuda.event()
+                ev.record(self.cuda.stream)
+            self._graves.append((ev, held))
 
     def _abort_comm(self) -> None:
         comm, self.comm = self.comm, 0
@@ -527,6 +462,17 @@ class NcclBackend(NcclOps, NcclWatchdog, Backend):
         elif self.comm:
             with self._lock:
                 self._abort_comm()
+        self._release_graves()
+
+    def _release_graves(self) -> None:
+        """At close: wait (a little) for the stream, then let go; arrays of a stream that
+        never drains are kept for good (a leak, rather than memory reused under a copy)."""
+        end = time.monotonic() + 5.0
+        while self._graves and time.monotonic() < end:
+            self._bury([])
+            time.sleep(0.01)
+        _KEPT.extend(arrs for _ev, arrs in self._graves)
+        self._graves = []
 
     def _flush(self) -> bool:
         """ncclCommFinalize, polled; then ncclCommDestroy. Abort if it fails or hangs."""
@@ -573,6 +519,7 @@ def _probe() -> str | None:
 
 
 _LIVE: set[NcclBackend] = set()
+_KEPT: list[list[Any]] = []  # arrays of closed groups whose stream never drained
 
 
 # What ranks published on ending, in groups this process shares with them: setup waits quote it.

@@ -163,3 +163,120 @@ def host_cost(size: int, iters: int, device: bool) -> dict[str, float]:
     C.get_default_group().synchronize(timeout=60)
     total = time.perf_counter() - t0
     return {"issue_us": issued / iters * 1e6, "total_us": total / iters * 1e6}
+
+
+def other_device_thread(size: int) -> dict[str, Any]:
+    """The group's calls issued from a thread whose current GPU is another one (a process
+    that sees several GPUs): they must still run on the group's GPU and streams."""
+    import threading
+
+    import cupy
+
+    rank, n = _world()
+    g = C.get_default_group()
+    b: Any = g.backend
+    other = (b.device + 1) % cupy.cuda.runtime.getDeviceCount()
+    x = cupy.full(size, rank + 1.0, dtype=cupy.float32)  # on the group's GPU
+    h = np.full(size, rank + 1.0, dtype=np.float32)
+    out: dict[str, Any] = {"error": None}
+
+    def body() -> None:
+        cupy.cuda.Device(other).use()
+        try:
+            g.all_reduce(x)
+            g.all_reduce(h)
+            g.all_reduce(x, async_op=True).wait()
+            out["current"] = cupy.cuda.runtime.getDevice()
+        except BaseException as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=body, name=f"rank{rank}-other-gpu")
+    g.bind_thread(t)
+    t.start()
+    t.join(30)
+    g.bind_thread()
+    if out["error"] is None:
+        total = n * (n + 1) / 2
+        check(x.get(), np.full(size, total * n, dtype=np.float32), "all_reduce from another GPU")
+        check(h, np.full(size, total, dtype=np.float32), "staged all_reduce from another GPU")
+    return out
+
+
+def arrays_after_abort(size: int) -> dict[str, Any]:
+    """A group that fails while its stream still has queued copies keeps the arrays they
+    use until the stream is idle (CuPy's pool would otherwise hand them out again)."""
+    import threading
+    import weakref
+
+    from collectives._errors import CollectiveError
+
+    g = C.get_default_group()
+    b: Any = g.backend
+    gate = threading.Event()
+    b.cuda.stream._enqueue(lambda: gate.wait(30))  # the GPU is still busy with earlier work
+    w = g.all_reduce(np.ones(size, dtype=np.float32), async_op=True)
+    staged = [weakref.ref(r) for r in w.refs]  # device and pinned staging memory
+    b.abort(b.info.error(CollectiveError, "all_reduce", None, "test: the group fails"))
+    held = [r() is not None for r in staged]
+    gate.set()
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in staged) and time.monotonic() < deadline:
+        b.poll()
+        time.sleep(0.01)
+    return {"staged": len(staged), "held": held, "released": all(r() is None for r in staged)}
+
+
+def ddp_steps(steps: int, skip_on: int = -1) -> dict[str, Any]:
+    """DDP over the group's GPU: what made this rank's host wait for the device in each step
+    (fake CuPy's host_syncs, and backend waits on calls not finished yet), and the final
+    parameters. ``skip_on``: that rank leaves the last layer out of step 1's loss."""
+    import threading
+    import types
+
+    import tensorlib as tl
+    from ddp import DistributedDataParallel
+    from tensorlib import nn
+    from tests.fakes import fake_cupy
+
+    rank, _ = _world()
+    b: Any = C.get_default_group().backend
+    dev = f"cuda:{b.device}"
+    gen = tl.Generator(11)
+    first = nn.Linear(4, 8, generator=gen)
+    net = nn.Sequential(first, nn.Tanh(), nn.Linear(8, 2, generator=gen)).to(dev)
+    model = DistributedDataParallel(net, first_bucket_mb=1e-4, bucket_cap_mb=1e-4)
+    opt = tl.optim.SGD(model.parameters(), lr=0.1)
+    me, waits = threading.current_thread(), []
+    plain_block = b.block
+
+    def block(w: Any, timeout: Any, sig_only: bool = False) -> bool:
+        if threading.current_thread() is me and not w._done and not w.end.done:
+            waits.append(f"block({w.op})")
+        return bool(plain_block(w, timeout, sig_only))
+
+    b.block = types.MethodType(lambda self, *a, **k: block(*a, **k), b)
+    per_step, error = [], None
+    try:
+        for step in range(steps):
+            rng = np.random.default_rng([rank, step])
+            x = tl.tensor(rng.standard_normal((3, 4)).astype(np.float32), device=dev)
+            y = tl.tensor(rng.standard_normal((3, 2)).astype(np.float32), device=dev)
+            fake_cupy.host_syncs(reset=True)
+            waits.clear()
+            if step == 1 and rank == skip_on:
+                model(x)
+                loss = (first(x) ** 2).mean()  # the last layer gets no gradient
+            else:
+                loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            try:
+                loss.backward()
+            except RuntimeError as exc:
+                error = {"step": step, "message": str(exc)}
+                break
+            opt.step()
+            per_step.append(fake_cupy.host_syncs() + waits)
+    finally:
+        del b.block
+    params = [p.data.get().ravel().tolist() for p in model.parameters()]
+    return {"per_step": per_step, "params": params, "error": error, "buckets": len(model._buckets)}

@@ -194,6 +194,70 @@ def test_split_needs_2_18() -> None:
     assert L.Nccl(new, new.version, "fake").can_split
 
 
+def _threads(n: int, fn: Any) -> list[Any]:
+    """``fn(rank)`` in ``n`` threads (ranks of the fake); results in rank order."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(n) as ex:
+        return [f.result(timeout=30) for f in [ex.submit(fn, r) for r in range(n)]]
+
+
+def _poll(lib: L.Nccl, comm: int) -> None:
+    deadline = time.monotonic() + 20
+    while (state := lib.comm_get_async_error(comm)) == L.IN_PROGRESS:
+        assert time.monotonic() < deadline, "still in progress after 20 s"
+        time.sleep(0.001)
+    assert state == L.SUCCESS, L.result_name(state)
+
+
+@pytest.mark.parametrize("version", [21703, 23203])
+def test_nonblocking_init_and_split_handles_are_written_late(version: int) -> None:
+    """NCCL writes a non-blocking split's child (and, before 2.18, uses an init's handle)
+    through the caller's pointer after the call returned: the binding keeps that storage,
+    the child is read once the *parent* left ncclInProgress, NOCOLOR gets none."""
+    raw = fake_nccl.FakeNccl(version)
+    lib = L.Nccl(raw, version, "fake")
+    uid = lib.get_unique_id()
+
+    def rank(r: int) -> tuple[int, ...]:
+        pending = lib.comm_init_rank(3, uid, r, blocking=False)
+        _poll(lib, pending.handle)
+        comm = pending.handle
+        if not lib.can_split:
+            return (lib.comm_user_rank(comm),)
+        child = lib.comm_split(comm, L.SPLIT_NOCOLOR if r == 1 else 0, -r, blocking=False)
+        assert child.handle == 0, "NCCL leaves *newcomm NULL until the split completed"
+        _poll(lib, comm)  # the split completes on the parent
+        if r == 1:
+            return (child.handle,)
+        _poll(lib, child.handle)
+        return lib.comm_count(child.handle), lib.comm_user_rank(child.handle)
+
+    got = _threads(3, rank)
+    assert got == ([(0,), (1,), (2,)] if version < 21800 else [(2, 1), (0,), (2, 0)])
+    assert not raw.stale_writes, raw.stale_writes
+
+
+def test_nccl_comm_blocking_env_is_reported(
+    fake: fake_nccl.FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL_COMM_BLOCKING=1 overrides the non-blocking config (init could no longer honour
+    the timeout): the backend says so, once, and still works."""
+    import warnings
+
+    from collectives.backends import _nccl_setup
+
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    monkeypatch.setattr(_nccl_setup, "_warned", __import__("threading").Event())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RankThreads.launch(2, timeout=LONG) as pool:
+            assert pool.run("bodies:ping", {"seed": 0})
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 1 and "NCCL_COMM_BLOCKING=1 is set" in texts[0], texts
+    assert "cannot honour the group's timeout" in texts[0]
+
+
 def test_candidate_paths_order(tmp_path: Path) -> None:
     (tmp_path / "libnccl.so.2").write_bytes(b"")
     paths = _nccl_load.candidate_paths({"NCCL_LIB_PATH": str(tmp_path)})
@@ -250,7 +314,7 @@ def test_real_library_init_without_gpu_fails_clearly(monkeypatch: pytest.MonkeyP
     lib = _real_lib()
     uid = lib.get_unique_id()
     with pytest.raises(L.NcclError) as info:
-        comm = lib.comm_init_rank(1, uid, 0, blocking=False)
+        comm = lib.comm_init_rank(1, uid, 0, blocking=False).handle
         # A library that accepted the call reports the failure asynchronously.
         deadline = time.monotonic() + 30
         while lib.comm_get_async_error(comm) == L.IN_PROGRESS and time.monotonic() < deadline:
@@ -389,6 +453,8 @@ def test_subgroup(
     # Every rank of the default group takes part in a split (one-rank groups are serial).
     splits = fake.counts["ncclCommSplit"] - before
     assert splits == (4 if split == "split" and len(members) > 1 else 0)
+    # NCCL wrote every child's handle late, into storage the backend still held.
+    assert not fake.stale_writes, fake.stale_writes
 
 
 @params(SIZES_N)
@@ -638,6 +704,9 @@ def _gpu_skip_reason(n: int) -> str | None:
     gpus = int(cupy.cuda.runtime.getDeviceCount())
     if gpus >= n:
         return None
+    if n > 2 * gpus:
+        # NCCL 2.30+ supports at most 2 ranks per GPU (more can hang when resources run out).
+        return f"{n} ranks on {gpus} GPU(s): NCCL supports at most 2 ranks per GPU"
     if _nccl_load.load().version < L.version_code(2, 30, 0):
         return (
             f"{n} ranks on {gpus} GPU(s) needs NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 "
@@ -734,3 +803,43 @@ def test_gpu_mismatch_fails_every_rank(n: int) -> None:
     for res in got:
         assert res["first"]["type"] == "CollectiveMismatchError", res
         assert res["after"]["type"] == "GroupAbortedError", res
+
+
+@params([2])
+def test_calls_from_a_thread_on_another_gpu_use_the_groups(pool: RankThreads) -> None:
+    """A thread whose current GPU is not the group's issues its calls: they run on the
+    group's GPU (the caller's stream of that GPU), and the thread's current GPU is kept."""
+    for rank, got in enumerate(pool.run("nccl_bodies:other_device_thread", {"size": 33})):
+        assert got["error"] is None, got["error"]
+        assert got["current"] == (rank + 1) % 2, got
+
+
+def test_failed_group_keeps_arrays_until_its_stream_is_idle(fresh: list[RankThreads]) -> None:
+    pool = launch(fresh, 2, timeout=LONG)
+    got = results(pool.call("nccl_bodies:arrays_after_abort", {"size": 1000}, ranks=[0]))[0]
+    assert got["staged"] >= 1 and all(got["held"]), got  # device array and pinned staging
+    assert got["released"], got
+
+
+@params([1, 2, 3])
+def test_ddp_step_on_nccl_makes_no_host_sync(pool: RankThreads) -> None:
+    """A DDP step on nccl (forward, backward with its buckets and the end-of-backward check,
+    optimizer step) never makes the host wait for the device, so it can run ahead; and the
+    ranks end with the same parameters."""
+    got = pool.run("nccl_bodies:ddp_steps", {"steps": 4})
+    for rank, res in enumerate(got):
+        assert res["error"] is None and res["buckets"] > 1, res
+        assert res["per_step"] == [[]] * 4, f"rank {rank} waited: {res['per_step']}"
+        assert res["params"] == got[0]["params"]
+
+
+@params([2, 3])
+def test_ddp_missing_gradient_on_nccl_is_reported_a_step_late(pool: RankThreads) -> None:
+    """Without a host sync the end-of-backward check is read at the next backward: every
+    rank raises there, naming the rank and the parameters."""
+    got = pool.run("nccl_bodies:ddp_steps", {"steps": 4, "skip_on": 1})
+    for res in got:
+        err = res["error"]
+        assert err is not None and err["step"] == 2, res
+        assert "no gradient in the previous backward" in err["message"], err
+        assert "rank 1: ['2.weight', '2.bias']" in err["message"], err

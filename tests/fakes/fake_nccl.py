@@ -20,9 +20,28 @@ What it models, so that the backend's mistakes show:
   their communicator is aborted. ``ncclGroupStart``/``End`` collect calls (per thread) and run
   them as one unit; sends are eager (buffered), receives wait for their message.
 * Non-blocking communicators (``blocking=0``) report ``ncclInProgress`` from
-  ``ncclCommGetAsyncError`` until every rank joined (init, split) or the queue drained
-  (finalize). ``ncclCommAbort`` wakes everything the communicator waits on; a handle used
-  after abort or destroy gives ``ncclInvalidArgument``.
+  ``ncclCommGetAsyncError`` until every rank joined (init) or the queue drained (finalize).
+  ``ncclCommAbort`` wakes everything the communicator waits on; a handle used after abort or
+  destroy gives ``ncclInvalidArgument`` (a NULL one: "comm argument is NULL", as NCCL's
+  ``PtrCheck`` says).
+* Out-parameters live as long as the caller keeps them, as with a C pointer: NCCL does not
+  keep the storage alive, so the fake holds only a weak reference and records a write (or
+  read) through one the caller already dropped in :attr:`FakeNccl.stale_writes` (on a GPU:
+  8 bytes written into freed memory). As in NCCL's ``src/init.cc``:
+
+  - ``ncclCommSplit`` sets ``*newcomm`` to NULL at once; the split runs *asynchronously* (a
+    thread, once every rank of the parent called it) and only then writes the child's handle
+    (NULL for ``NCCL_SPLIT_NOCOLOR``) into the caller's pointer. Whether the call blocks is
+    the *parent's* mode (NCCL's group job takes it from the parent communicator); with a
+    non-blocking parent it returns ``ncclInProgress`` and the *parent* reports
+    ``ncclInProgress`` until the split completed (maintainer's word in NVIDIA/nccl#1472).
+    The child's own mode comes from the config passed, else the parent's. Using the parent
+    meanwhile gives ``ncclInvalidArgument`` (``ncclCommEnsureReady``).
+  - ``ncclCommInitRankConfig`` writes ``*newcomm`` before it returns; libraries before 2.18
+    (``version < 21800``) also dereference the caller's pointer from their init thread when
+    the init completes.
+  - ``NCCL_COMM_BLOCKING=0|1`` in the environment overrides the config's ``blocking``, as
+    NCCL's ``envConfigOverride`` does.
 * Test controls: :meth:`FakeNccl.fail_next` makes the next call(s) of a function return an
   error code, :meth:`FakeNccl.inject_async_error` sets a communicator's asynchronous error,
   ``in_progress_ops`` makes operations on non-blocking communicators return ``ncclInProgress``
@@ -40,6 +59,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,11 +141,49 @@ class _World:
         self.comms: dict[int, _Comm] = {}
         self.slots: dict[int, _Slot] = {}
         self.mail: dict[tuple[int, int], deque[tuple[int, int, bytes]]] = {}
-        self.splits: dict[int, dict[int, tuple[int, int, _Comm | None]]] = {}
+        self.splits: dict[int, dict[int, _SplitPost]] = {}
 
     @property
     def ready(self) -> bool:
         return len(self.comms) == self.nranks
+
+
+class _Out:
+    """A ``ncclComm_t*`` out-parameter that NCCL may write (or read) after the call returned.
+
+    NCCL keeps a raw pointer, not the storage: a weak reference here, and a write through a
+    pointer whose storage the caller dropped is recorded in ``stale`` instead of done.
+    """
+
+    def __init__(self, obj: Any, what: str, stale: list[str]) -> None:
+        self._ref = weakref.ref(obj)
+        self.what = what
+        self.stale = stale
+
+    def write(self, handle: int) -> None:
+        obj = self._ref()
+        if obj is None:
+            self.stale.append(
+                f"{self.what} wrote {handle:#x} through a ncclComm_t* whose storage the caller "
+                "had freed"
+            )
+            return
+        obj.value = handle or None
+
+    def read(self) -> int:
+        obj = self._ref()
+        if obj is None:
+            self.stale.append(f"{self.what} read a ncclComm_t* whose storage the caller had freed")
+            return 0
+        return int(obj.value or 0)
+
+
+@dataclass
+class _SplitPost:
+    color: int
+    key: int
+    blocking: bool  # the child's mode
+    out: _Out
 
 
 class _Comm:
@@ -143,6 +201,8 @@ class _Comm:
         self.split_index = 0
         self.inflight = 0
         self.finalizing = False
+        self.splitting = False  # a non-blocking split of this parent has not completed
+        self.out: _Out | None = None  # NCCL < 2.18: the init thread's pointer to our handle
 
 
 class _Tls(threading.local):
@@ -171,6 +231,9 @@ class FakeNccl:
         self._tls = _Tls()
         self._last_error = ""
         self._faults: list[list[Any]] = []
+        # Writes NCCL would make through pointers the caller had freed (see _Out): each one is
+        # memory corruption on a GPU; tests require this to stay empty.
+        self.stale_writes: list[str] = []
         if version < 21800:
             # Older libraries have no ncclCommSplit: the binding sees no such attribute.
             self.ncclCommSplit = None  # type: ignore[assignment]
@@ -222,9 +285,15 @@ class FakeNccl:
         self.counts[name] += 1
         c = self._comm(comm)
         if c is None:
-            return None, self._err(INVALID_ARGUMENT, f"{name}: invalid communicator")
+            return None, self._err(INVALID_ARGUMENT, self._bad_comm(name, comm))
         code = self._fault(name, c) if faults else SUCCESS
         return (None, code) if code else (c, SUCCESS)
+
+    @staticmethod
+    def _bad_comm(name: str, handle: Any) -> str:
+        if not int(getattr(handle, "value", handle) or 0):
+            return f"{name} : comm argument is NULL"  # NCCL's PtrCheck
+        return f"{name}: invalid communicator {handle!r}"
 
     def _err(self, code: int, message: str) -> int:
         self._last_error = message
@@ -279,6 +348,7 @@ class FakeNccl:
             if config.version < 21400 or config.size < 20:
                 return self._err(INVALID_ARGUMENT, f"ncclConfig_t size {config.size} too small")
             blocking = config.blocking != 0
+        blocking = _env_blocking(blocking)
         if not 0 <= rank < nranks:
             return self._err(INVALID_ARGUMENT, f"rank {rank} out of range for {nranks} ranks")
         key = bytes(uid)
@@ -294,13 +364,21 @@ class FakeNccl:
             if rank in world.comms:
                 return self._err(INVALID_USAGE, f"rank {rank} joined twice")
             comm = _Comm(next(self._handles), world, rank, _current_device(), blocking)
+            if not blocking and self.version < 21800:
+                # NCCL 2.14-2.17 keep the caller's ncclComm_t* and use it from the init thread.
+                comm.out = _Out(comm_out, name, self.stale_writes)
+            comm_out.value = comm.handle
             world.comms[rank] = comm
+            if world.ready:
+                for c in world.comms.values():  # the init completes: its thread uses the pointer
+                    if c.out is not None:
+                        c.out.read()
+                        c.out = None
             world.cond.notify_all()
         with self._lock:
             self._comms[comm.handle] = comm
             if world.ready:
                 self._worlds.pop(key, None)  # a unique id makes one communicator
-        comm_out.value = comm.handle
         if blocking:
             with world.cond:
                 while not world.ready and not comm.aborted.is_set():
@@ -314,51 +392,67 @@ class FakeNccl:
         self.counts["ncclCommSplit"] += 1
         parent = self._comm(comm)
         if parent is None or parent.world is None:
-            return self._err(INVALID_ARGUMENT, "ncclCommSplit: invalid communicator")
+            return self._err(INVALID_ARGUMENT, self._bad_comm("ncclCommSplit", comm))
         code = self._fault("ncclCommSplit", parent)
         if code:
             return code
-        blocking = parent.blocking if config is None else config.blocking != 0
+        if parent.splitting or not parent.world.ready:
+            return self._err(
+                INVALID_ARGUMENT,
+                "ncclCommSplit: Attempt to use communicator before the previous operation "
+                "returned ncclSuccess",
+            )
+        # The child's mode: its config, else the parent's; the call's own mode: the parent's.
+        child_blocking = _env_blocking(parent.blocking if config is None else config.blocking != 0)
+        newcomm_out.value = None  # NULL until the split completed
         world = parent.world
-        child: _Comm | None = None
-        if color != _NOCOLOR:
-            child = _Comm(next(self._handles), None, -1, parent.device, blocking)
-            with self._lock:
-                self._comms[child.handle] = child
         idx = parent.split_index
         parent.split_index += 1
         with world.cond:
+            parent.splitting = True
             posts = world.splits.setdefault(idx, {})
-            posts[parent.rank] = (int(color), int(key), child)
+            out = _Out(newcomm_out, "ncclCommSplit", self.stale_writes)
+            posts[parent.rank] = _SplitPost(int(color), int(key), child_blocking, out)
             if len(posts) == world.nranks:
-                self._resolve_split(world, posts)
                 del world.splits[idx]
-            world.cond.notify_all()
-        newcomm_out.value = child.handle if child is not None else None
-        if child is None:
-            return SUCCESS
-        if blocking:
-            with world.cond:
-                while child.world is None and not parent.aborted.is_set():
-                    world.cond.wait(0.05)
-            return SUCCESS
-        return SUCCESS if child.world is not None else IN_PROGRESS
+                # NCCL's split job runs on a thread of its own, after the call returned.
+                threading.Thread(
+                    target=self._resolve_split,
+                    args=(world, posts),
+                    name=f"fake-nccl-split-{world.name}",
+                    daemon=True,
+                ).start()
+        if not parent.blocking:
+            return IN_PROGRESS
+        with world.cond:
+            while parent.splitting and not parent.aborted.is_set():
+                world.cond.wait(0.05)
+        return SUCCESS
 
-    def _resolve_split(
-        self, world: _World, posts: dict[int, tuple[int, int, _Comm | None]]
-    ) -> None:
-        colors: dict[int, list[tuple[int, int, _Comm]]] = {}
-        for rank, (color, key, child) in posts.items():
-            if color != _NOCOLOR and child is not None:
-                colors.setdefault(color, []).append((key, rank, child))
-        for color, members in colors.items():
-            members.sort()
-            new = _World(len(members), f"{world.name}/split{color}")
-            for new_rank, (_key, _rank, child) in enumerate(members):
-                child.rank = new_rank
-                new.comms[new_rank] = child
-            for _key, _rank, child in members:
-                child.world = new
+    def _resolve_split(self, world: _World, posts: dict[int, _SplitPost]) -> None:
+        time.sleep(0.002)  # the split takes a while: callers see ncclInProgress
+        colors: dict[int, list[tuple[int, int]]] = {}
+        for rank, post in posts.items():
+            if post.color != _NOCOLOR:
+                colors.setdefault(post.color, []).append((post.key, rank))
+        with world.cond:
+            handles: dict[int, int] = {}
+            for color, members in colors.items():
+                members.sort()
+                new = _World(len(members), f"{world.name}/split{color}")
+                for new_rank, (_key, rank) in enumerate(members):
+                    parent = world.comms[rank]
+                    child = _Comm(
+                        next(self._handles), new, new_rank, parent.device, posts[rank].blocking
+                    )
+                    new.comms[new_rank] = child
+                    handles[rank] = child.handle
+                    with self._lock:
+                        self._comms[child.handle] = child
+            for rank, post in posts.items():
+                post.out.write(handles.get(rank, 0))  # into the caller's pointer, late
+                world.comms[rank].splitting = False
+            world.cond.notify_all()
 
     def ncclCommFinalize(self, comm: Any) -> int:
         c, code = self._enter("ncclCommFinalize", comm)
@@ -398,6 +492,7 @@ class FakeNccl:
         elif (
             c.world is None
             or not c.world.ready
+            or c.splitting
             or (c.busy_until and time.monotonic() < c.busy_until)
             or (c.finalizing and c.inflight)
         ):
@@ -527,8 +622,11 @@ class FakeNccl:
         return code
 
     def _check(self, c: _Comm, op: _Op) -> str:
-        if c.world is None or not c.world.ready:
-            return "the communicator is still initializing"
+        if c.world is None or not c.world.ready or c.splitting:
+            return (
+                "Attempt to use communicator before the previous operation returned "
+                "ncclSuccess (it is still initializing or splitting)"
+            )
         if c.aborted.is_set():
             return "the communicator was aborted"
         if c.async_error not in (SUCCESS, IN_PROGRESS):
@@ -678,6 +776,12 @@ class FakeNccl:
         if count:
             dst = _view(op.recv, count, dtype).view(np.uint8)
             dst[...] = np.frombuffer(data, dtype=np.uint8)
+
+
+def _env_blocking(blocking: bool) -> bool:
+    """NCCL_COMM_BLOCKING=0|1 overrides the config's mode (NCCL's envConfigOverride)."""
+    env = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
+    return {"0": False, "1": True}.get(env, blocking)
 
 
 def _current_device() -> int:

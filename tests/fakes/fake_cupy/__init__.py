@@ -23,14 +23,21 @@ strict as real CuPy wherever code that is wrong on a GPU would still pass on Num
   float32/float64, copying a strided array between devices raises ``NotImplementedError``, and
   ``empty`` is filled with NaN (or the largest integer) the way device memory holds garbage.
 * Only the API built in :func:`make_modules` exists; anything else raises ``AttributeError``.
+* Integer index arrays are *not* bounds-checked, as in CuPy: ``a[idx]``, ``a[idx] = v`` and
+  ``cupyx.scatter_add`` wrap an index ``i`` of an axis of ``n`` to ``i mod n`` (a Python int
+  index still raises ``IndexError``, as in CuPy).
 
-Streams: kernels run on the host at once, so the null stream is the host; other streams are
-ordered queues with a thread each, for the asynchronous work a communication library enqueues
+Streams are asynchronous as on a GPU (see ``_stream``): kernels run on the host at once, but
+the null stream's events complete a moment after their record; other streams are ordered
+queues with a thread each, for the asynchronous work a communication library enqueues
 (``memcpyAsync``, ``ndarray.set(stream=)``, the fake NCCL), with events that complete when the
-work before them has run (see :class:`Stream`).
+work before them has run. Streams and events belong to a device (recording an event on another
+device's stream raises), and :func:`host_syncs` lists what made a host thread wait for the
+device, so a test can require a step without host synchronization.
 
-Deliberate differences: integer index arrays are bounds-checked (CuPy wraps them around),
-NumPy's type promotion rules apply, kernels are synchronous, and broadcast views are read-only.
+Deliberate differences: NumPy 2's type promotion rules apply (those of CuPy 14, which the
+project requires), kernels compute at once (their streams' asynchrony is modelled, see
+above), and broadcast views are read-only.
 
 The package: ``_device`` (knobs, devices, the runtime's device calls), ``_stream`` (streams,
 events, pinned memory, ``memcpyAsync``), ``_array`` (``ndarray`` and the kernel plumbing),
@@ -71,6 +78,7 @@ from ._stream import (
     alloc_pinned_memory,
     get_current_stream,
     get_elapsed_time,
+    host_syncs,
 )
 from ._stream import (
     _stream_for as _stream_for,  # fake_nccl resolves cudaStream_t handles with it
@@ -88,6 +96,7 @@ __all__ = [
     "config",
     "get_current_stream",
     "get_elapsed_time",
+    "host_syncs",
     "install",
     "make_modules",
     "ndarray",

@@ -33,8 +33,9 @@ from ._kernels import (
     _unary,
     _unsupported,
     _with_ellipsis,
+    _wrap_indices,
 )
-from ._stream import Stream
+from ._stream import Stream, _note_sync
 
 # cupy.f for np.f(fake_array) (``__array_function__``), filled in by ._functions.
 _NUMPY_FUNCTIONS: dict[str, Callable[..., Any]] = {}
@@ -140,8 +141,10 @@ class ndarray:
         self, stream: Any = None, order: str = "C", out: Host | None = None, blocking: bool = True
     ) -> Host:
         """Copy to a new NumPy array (or into ``out``), after ``stream``'s queued work."""
-        if isinstance(stream, Stream):
-            stream.synchronize()  # a device-to-host copy is ordered on its stream
+        if isinstance(stream, Stream) and not stream._is_null:
+            stream._wait_for(stream._submitted)  # a device-to-host copy is ordered on its stream
+        if blocking:
+            _note_sync("ndarray.get")
         host = np.array(self._a, order=order, copy=True)  # type: ignore[call-overload]
         if out is None:
             return host
@@ -175,9 +178,11 @@ class ndarray:
         self._a[...] = arr
 
     def item(self) -> Any:
+        _note_sync("ndarray.item")
         return self._a.item()
 
     def tolist(self) -> Any:
+        _note_sync("ndarray.tolist")
         return self._a.tolist()
 
     def tobytes(self, order: str = "C") -> bytes:
@@ -320,7 +325,7 @@ class ndarray:
         device_id = _current.device
         for a in (self, *fakes):
             _check_peer(a, device_id)
-        return _fresh(self._a[host_index], device_id, (self._a,))
+        return _fresh(self._a[_wrap_indices(host_index, self._a.shape)], device_id, (self._a,))
 
     def __setitem__(self, index: Any, value: Any) -> None:
         device_id = _current.device
@@ -330,7 +335,9 @@ class ndarray:
             for a in (self, *fakes):
                 _check_peer(a, device_id)
             v = value if isinstance(value, _SCALARS) else array(value, dtype=self.dtype)
-            self._a[host_index] = v._a if isinstance(v, ndarray) else v
+            self._a[_wrap_indices(host_index, self._a.shape)] = (
+                v._a if isinstance(v, ndarray) else v
+            )
             return
         target = self._a[_with_ellipsis(host_index)]
         if not isinstance(value, ndarray):

@@ -77,8 +77,12 @@ class Device:
         _current.device = self.id
 
     def synchronize(self) -> None:
-        """Wait for the device (nothing is asynchronous here)."""
+        """Wait for the device's null stream (a host synchronization)."""
         _check_ordinal(self.id)
+        from ._stream import Stream, _note_sync  # _stream imports this module
+
+        _note_sync("Device.synchronize")
+        Stream.null._wait_for(Stream.null._submitted)
 
     @property
     def compute_capability(self) -> str:

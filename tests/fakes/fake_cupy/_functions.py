@@ -19,6 +19,7 @@ from ._kernels import (
     _launch,
     _require,
     _ufunc_call,
+    _wrap_indices,
 )
 
 # The modules make_modules built last (get_array_module returns their cupy).
@@ -277,7 +278,7 @@ def scatter_add(a: Any, slices: Any, value: Any) -> None:
     else:
         v = array(value, dtype=x.dtype)._a  # CuPy copies a host value to the device
     with np.errstate(all="ignore"):
-        np.add.at(x._a, host_index, v)
+        np.add.at(x._a, _wrap_indices(host_index, x._a.shape), v)  # wrapped, as CuPy's scatter ops
 
 
 # ============================================================================ what cupy holds

@@ -158,6 +158,35 @@ def _host_index(index: Any) -> tuple[tuple[Any, ...], bool, list[ndarray]]:
     return tuple(out), advanced, fakes
 
 
+def _wrap_indices(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """CuPy does not bounds-check integer index arrays: it wraps them around each axis (an
+    index i of an axis of n is i mod n), so an out-of-range label picks a wrong row silently.
+    Python ints and slices are basic indexing and keep NumPy's rules."""
+    if not any(isinstance(p, np.ndarray) and p.dtype.kind in "iu" for p in index):
+        return index
+    n_axes = sum(
+        p.ndim if isinstance(p, np.ndarray) and p.dtype == bool else 1
+        for p in index
+        if p is not None and p is not Ellipsis
+    )
+    out: list[Any] = []
+    axis = 0
+    for p in index:
+        if p is Ellipsis:
+            axis += len(shape) - n_axes
+        elif p is None:
+            pass
+        elif isinstance(p, np.ndarray) and p.dtype == bool:
+            axis += p.ndim
+        else:
+            if isinstance(p, np.ndarray) and p.dtype.kind in "iu" and axis < len(shape):
+                size = shape[axis]
+                p = np.mod(p, size) if size else p  # an empty axis: NumPy's IndexError
+            axis += 1
+        out.append(p)
+    return tuple(out)
+
+
 def _with_ellipsis(index: tuple[Any, ...]) -> tuple[Any, ...]:
     # NumPy returns a scalar for a[0] on a 1-d array; a[0, ...] is the 0-d view CuPy returns.
     return index if any(p is Ellipsis for p in index) else (*index, Ellipsis)

@@ -1,9 +1,24 @@
 """The fake's streams and events, pinned host memory and ``cudaMemcpyAsync``.
 
-Fake kernels run on the host at once, so the null stream is the host; every other stream is an
-ordered queue with a worker thread of its own, for the asynchronous work a communication library
-enqueues (``memcpyAsync``, ``ndarray.set(stream=)``, the fake NCCL): its work completes *later*
-than it is queued, and an event completes when the work queued before it has run.
+Fake kernels run on the host at once (their data is ready when the call returns), but the
+streams are asynchronous the way a GPU's are, so that code which waits on the host can be told
+from code that does not:
+
+* every non-null stream is an ordered queue with a worker thread of its own, for the work a
+  communication library enqueues (``memcpyAsync``, ``ndarray.set(stream=)``, the fake NCCL):
+  its work completes *later* than it is queued, and an event completes when the work queued
+  before it has run;
+* the null stream's events complete :data:`NULL_LAG_S` after they were recorded, not at once
+  (the GPU is behind the host): ``Event.done`` is False right after ``record()``, and
+  ``synchronize()`` really waits. Its ``wait_event`` on another stream's event still blocks
+  the host (eager kernels after it must see that stream's results), which on a GPU is a
+  device-side wait: it is not counted as a host synchronization;
+* a stream and an event belong to the device current when they were made (the null stream:
+  to the calling thread's current device), and ``Event.record`` on a stream of another device
+  raises ``cudaErrorInvalidResourceHandle``, as the CUDA runtime does;
+* :func:`host_syncs` counts, per host thread, the calls that make the host wait for the device
+  (``Stream``/``Event``/``Device.synchronize``, blocking ``ndarray.get`` and the conversions
+  built on it), so a test can assert that a step makes none.
 """
 
 from __future__ import annotations
@@ -17,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ._device import CUDARuntimeError
+from ._device import CUDARuntimeError, _current
 
 
 class _CurrentStream(threading.local):
@@ -29,15 +44,38 @@ _current_stream = _CurrentStream()
 _stream_ptrs = itertools.count(0x57000)
 _event_ptrs = itertools.count(0xE7000)
 _IDLE_EXIT_S = 0.05  # a stream's worker thread ends after this long without work
+NULL_LAG_S = 0.001  # the null stream's events complete this long after their record
+
+
+class _Syncs(threading.local):
+    def __init__(self) -> None:
+        self.count = 0
+        self.kinds: list[str] = []
+
+
+_syncs = _Syncs()
+
+
+def host_syncs(reset: bool = False) -> list[str]:
+    """What made this host thread wait for the device since the last reset (see the module)."""
+    kinds = list(_syncs.kinds)
+    if reset:
+        _syncs.kinds.clear()
+    return kinds
+
+
+def _note_sync(kind: str) -> None:
+    _syncs.kinds.append(kind)
 
 
 class Stream:
-    """``cupy.cuda.Stream``. Fake kernels run on the host at once, so the *null* stream is the
-    host itself: an event recorded there is complete at once, and waiting on an event there
-    blocks the host until it completes. Every other stream is a real queue, run in order by a
-    worker thread of its own: :func:`memcpyAsync`, ``ndarray.set(stream=)`` and the fake NCCL
+    """``cupy.cuda.Stream``. Fake kernels run on the host at once; the *null* stream's events
+    complete :data:`NULL_LAG_S` after their record, and waiting on an event there blocks the
+    host until it completes. Every other stream is a real queue, run in order by a worker
+    thread of its own: :func:`memcpyAsync`, ``ndarray.set(stream=)`` and the fake NCCL
     (tests/fakes/fake_nccl.py) put work on it, and an event recorded there completes when the
-    work queued before it has finished. ``ptr`` identifies the stream (``cudaStream_t``).
+    work queued before it has finished. ``ptr`` identifies the stream (``cudaStream_t``),
+    ``device_id`` its device.
     """
 
     null: Stream
@@ -47,6 +85,7 @@ class Stream:
         self, null: bool = False, non_blocking: bool = False, ptds: bool = False, priority: Any = 0
     ) -> None:
         self._is_null = bool(null)
+        self.device_id = _current.device  # the null stream: see _device()
         self.ptr = 0 if null else next(_stream_ptrs)
         self.non_blocking = non_blocking
         self._cond = threading.Condition()
@@ -59,11 +98,29 @@ class Stream:
             Stream._by_ptr[self.ptr] = self
 
     # ------------------------------------------------------------------ queue
+    def _device(self) -> int:
+        """The device of this stream (the null stream is the current device's)."""
+        return _current.device if self._is_null else self.device_id
+
     def _enqueue(self, fn: Callable[[], object]) -> int:
         """Queue ``fn``; return its ticket (done once ``_finished`` reaches it)."""
         if self._is_null:
-            fn()
+            fn()  # eager, like the fake's kernels
             return 0
+        return self._queue_work(fn)
+
+    def _mark(self) -> int:
+        """A ticket on the null stream, complete NULL_LAG_S from now (the GPU is behind)."""
+        due = time.monotonic() + NULL_LAG_S
+
+        def lag() -> None:
+            left = due - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+
+        return self._queue_work(lag)
+
+    def _queue_work(self, fn: Callable[[], object]) -> int:
         with self._cond:
             self._queue.append(fn)
             self._submitted += 1
@@ -108,7 +165,9 @@ class Stream:
         if source is None or source is self:
             return
         if self._is_null:
-            source._wait_for(ticket)  # the null stream is the host
+            # Eager kernels after this must see the source's results: the host waits (on a
+            # GPU a device-side wait, so not counted as a host synchronization).
+            source._wait_for(ticket)
             return
         self._enqueue(lambda: source._wait_for(ticket))
 
@@ -120,13 +179,13 @@ class Stream:
 
     def synchronize(self) -> None:
         """Block until everything queued so far has run."""
-        if not self._is_null:
-            self._wait_for(self._submitted)
+        _note_sync("Stream.synchronize")
+        self._wait_for(self._submitted)
 
     @property
     def done(self) -> bool:
         """Whether everything queued so far has run."""
-        return self._is_null or self._finished >= self._submitted
+        return self._finished >= self._submitted
 
     def use(self) -> Stream:
         """Make this the current stream of this thread."""
@@ -172,6 +231,7 @@ class Event:
         self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
     ) -> None:
         self.ptr = next(_event_ptrs)
+        self.device_id = _current.device
         self._stream: Stream | None = None
         self._ticket = 0
         self._when: float | None = None  # when it was seen complete (for get_elapsed_time)
@@ -179,8 +239,16 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         """Capture ``stream``'s queue as it is now (the current stream when None)."""
         s = stream if stream is not None else get_current_stream()
+        if s._device() != self.device_id:
+            raise CUDARuntimeError(
+                f"cudaErrorInvalidResourceHandle: an event of device {self.device_id} recorded "
+                f"on a stream of device {s._device()} (the current device of this thread)"
+                if s._is_null
+                else f"cudaErrorInvalidResourceHandle: an event of device {self.device_id} "
+                f"recorded on a stream of device {s._device()}"
+            )
         if s._is_null:
-            self._stream, self._ticket, self._when = None, 0, time.perf_counter()
+            self._stream, self._ticket, self._when = s, s._mark(), None
         else:
             self._stream, self._ticket, self._when = s, s._submitted, None
 
@@ -194,6 +262,7 @@ class Event:
 
     def synchronize(self) -> None:
         """Block the host until :attr:`done`."""
+        _note_sync("Event.synchronize")
         if self._stream is not None:
             self._stream._wait_for(self._ticket)
         if self._when is None:
@@ -202,7 +271,7 @@ class Event:
 
 def get_elapsed_time(start_event: Event, end_event: Event) -> float:
     """Milliseconds between two events (here: when the host saw each complete)."""
-    start_event.synchronize()
+    start_event.synchronize()  # (CuPy needs both complete too)
     end_event.synchronize()
     return ((end_event._when or 0.0) - (start_event._when or 0.0)) * 1e3
 
