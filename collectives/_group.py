@@ -181,11 +181,11 @@ class ProcessGroup:
         return reduce_op
 
     def _new_output(self, src: _Arg, shape: tuple[int, ...]) -> Any:
-        return (
-            np.empty(shape, dtype=src.array.dtype)
-            if isinstance(src.array, np.ndarray)
-            else (type(src.array)(shape, dtype=src.array.dtype))
-        )
+        if isinstance(src.array, np.ndarray):
+            return np.empty(shape, dtype=src.array.dtype)
+        # On the input's GPU, not the calling thread's current one (CuPy allocates there).
+        with src.array.device:
+            return type(src.array)(shape, dtype=src.array.dtype)
 
     def _check_out(self, op: str, out: Any, shape: tuple[int, ...], dtype: Any) -> _Arg:
         o = self._arg(op, out, "out", writable=True)

@@ -186,6 +186,10 @@ def other_device_thread(size: int) -> dict[str, Any]:
             g.all_reduce(x)
             g.all_reduce(h)
             g.all_reduce(x, async_op=True).wait()
+            # Outputs the group allocates (no out=) live on the group's GPU, not the thread's.
+            gathered = g.all_gather(x)
+            out["gathered_on"] = int(gathered.device.id)
+            out["gathered"] = gathered.get().tolist()
             out["current"] = cupy.cuda.runtime.getDevice()
         except BaseException as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
@@ -199,6 +203,9 @@ def other_device_thread(size: int) -> dict[str, Any]:
         total = n * (n + 1) / 2
         check(x.get(), np.full(size, total * n, dtype=np.float32), "all_reduce from another GPU")
         check(h, np.full(size, total, dtype=np.float32), "staged all_reduce from another GPU")
+        out["expected_device"] = int(b.device)
+        want = np.full((n, size), total * n, dtype=np.float32)
+        check(np.asarray(out.pop("gathered"), dtype=np.float32), want, "all_gather from another GPU")
     return out
 
 

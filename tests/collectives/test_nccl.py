@@ -812,6 +812,7 @@ def test_calls_from_a_thread_on_another_gpu_use_the_groups(pool: RankThreads) ->
     for rank, got in enumerate(pool.run("nccl_bodies:other_device_thread", {"size": 33})):
         assert got["error"] is None, got["error"]
         assert got["current"] == (rank + 1) % 2, got
+        assert got["gathered_on"] == got["expected_device"], got
 
 
 def test_failed_group_keeps_arrays_until_its_stream_is_idle(fresh: list[RankThreads]) -> None:
