@@ -205,7 +205,9 @@ def other_device_thread(size: int) -> dict[str, Any]:
         check(h, np.full(size, total, dtype=np.float32), "staged all_reduce from another GPU")
         out["expected_device"] = int(b.device)
         want = np.full((n, size), total * n, dtype=np.float32)
-        check(np.asarray(out.pop("gathered"), dtype=np.float32), want, "all_gather from another GPU")
+        check(
+            np.asarray(out.pop("gathered"), dtype=np.float32), want, "all_gather from another GPU"
+        )
     return out
 
 
