@@ -207,6 +207,4 @@ def test_save_and_load_remote_tensors_and_optimizer_state(rdev: tl.Device, tmp_p
     tl.save({"p": p.detach(), "opt": opt.state_dict()}, tmp_path / "ck.npz")
     loaded = tl.load(tmp_path / "ck.npz")
     assert np.array_equal(loaded["p"].numpy(), p.numpy())
-    assert np.array_equal(
-        np.asarray(loaded["opt"]["state"][0]["momentum_buffer"]), 2 * A
-    )
+    assert np.array_equal(np.asarray(loaded["opt"]["state"][0]["momentum_buffer"]), 2 * A)
