@@ -229,8 +229,9 @@ def stats(device: tl.Device | str) -> dict[str, int]:
     """Counters of this process's session on a remote device.
 
     Returns:
-        ``round_trips`` (reads and synchronizes that waited for the server), ``ops``
-        (records sent, reads and frees included), ``bytes_sent`` and ``bytes_received``.
+        ``round_trips`` (reads and synchronizes that waited for the server), ``ops`` (op
+        records issued; reads and frees not counted), ``bytes_sent`` and
+        ``bytes_received`` (on the wire, frame headers and tags included).
     """
     dev = tl.device(device)
     if dev.type != "remote":
