@@ -43,7 +43,7 @@ def _check(server_address: str, fingerprint: str) -> None:
     with pytest.raises(remote.RemoteAuthError, match="not the pinned"):
         remote.devices(server_address, token=TOKEN, fingerprint=wrong)
     with pytest.raises(remote.RemoteConnectionError, match="--tls"):
-        remote.devices(server_address, token=TOKEN)  # plain text to a TLS server
+        remote.devices(server_address, token=TOKEN, timeout=1.0)  # plain text to a TLS server
     colons = ":".join(fingerprint[i : i + 2] for i in range(0, 64, 2)).upper()
     dev = remote.devices(server_address, token=TOKEN, fingerprint=colons)[0]
     x = tl.tensor(np.arange(3.0), device=dev)
