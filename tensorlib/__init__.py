@@ -61,6 +61,8 @@ from ._device import (
     device,
     device_of,
 )
+from ._device_kinds import DeviceKind
+from ._device_kinds import register as register_device_kind
 from ._dtype import bool_, float16, float32, float64, int32, int64
 from ._random import Generator, default_generator, manual_seed
 from ._serialization import load, save
@@ -71,6 +73,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CudaUnavailableError",
     "Device",
+    "DeviceKind",
     "Function",
     "Generator",
     "Tensor",
@@ -121,6 +124,7 @@ __all__ = [
     "queue_callback",
     "rand",
     "randn",
+    "register_device_kind",
     "reshape",
     "save",
     "set_grad_enabled",

@@ -97,7 +97,7 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
             raise RuntimeError(
                 f"where: condition is on {condition._device} but the tensors are on {dev}"
             )
-        if dev.type == "cuda" and isinstance(cond, np.ndarray):
+        if dev.type != "cpu" and isinstance(cond, np.ndarray):
             with dev:
                 cond = dev.xp.asarray(cond)
     if not hasattr(a, "dtype") and not hasattr(b, "dtype"):

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._device import CPU, Device, _load_cupy, device_of
+from ._device_kinds import kind_of_array, kind_of_device
 from ._dtype import default_dtype_for, float32, is_floating, normalize_dtype
 from ._random import Generator, default_generator
 from ._tensor import Tensor, _check_array_dtype
@@ -31,7 +32,11 @@ __all__ = [
 
 def _is_array(x: Any) -> bool:
     # NumPy scalars count as arrays so that np.float64(1.0) keeps its dtype.
-    return isinstance(x, np.ndarray | np.generic) or type(x).__module__.startswith("cupy")
+    return (
+        isinstance(x, np.ndarray | np.generic)
+        or type(x).__module__.startswith("cupy")
+        or kind_of_array(x) is not None
+    )
 
 
 def _to_array(data: Any, dtype: Any, device: str | Device | None, copy: bool) -> tuple[Any, Device]:
@@ -48,10 +53,20 @@ def _to_array(data: Any, dtype: Any, device: str | Device | None, copy: bool) ->
             dt = default_dtype_for(np.zeros(0, dtype=dt)) if dt.kind != "b" else np.dtype(bool)
     else:
         dt = default_dtype_for(data)
+    if src_dev.type not in ("cpu", "cuda") and (dev is not src_dev or dt != data.dtype):
+        data = data.get()  # off a registered kind's device (remote): through the host
+        src_dev = CPU
     if dev.type == "cpu":
         if src_dev.type == "cuda":
             data = data.get()
         arr = np.array(data, dtype=dt, copy=copy) if copy else np.asarray(data, dtype=dt)
+    elif dev.type != "cuda":  # a registered kind (remote)
+        if src_dev is dev:  # on it already, with this dtype
+            arr = data.copy() if copy else data
+        else:
+            if src_dev.type == "cuda":
+                data = data.get()
+            arr = kind_of_device(dev).from_host(np.asarray(data, dtype=dt), dev)
     else:
         cp = _load_cupy()
         with cp.cuda.Device(dev.index):

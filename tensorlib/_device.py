@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _device_kinds
+
 __all__ = [
     "CudaUnavailableError",
     "Device",
@@ -22,6 +24,7 @@ __all__ = [
     "cuda_unavailable_reason",
     "device",
     "device_of",
+    "is_device_spec",
 ]
 
 _INSTALL_HINT = (
@@ -109,11 +112,13 @@ class Device:
     """A place where arrays live, with the array module that computes on it.
 
     ``Device("cpu")`` uses NumPy; ``Device("cuda")`` / ``Device("cuda:N")`` use CuPy on GPU N.
+    ``Device("scheme://...")`` names a device of a kind another package registered
+    (``remote://HOST:PORT/INDEX`` once ``remote.devices`` reached that server).
     Devices are interned: equal specs give the same object, so ``is`` comparisons are valid.
 
     Attributes:
-        type: ``"cpu"`` or ``"cuda"``.
-        index: GPU ordinal for CUDA devices, None for the CPU.
+        type: ``"cpu"``, ``"cuda"``, or a registered kind's type (``"remote"``).
+        index: GPU ordinal for CUDA devices (the kind's index for others), None for the CPU.
     """
 
     __slots__ = ("_name", "index", "type")
@@ -132,6 +137,8 @@ class Device:
         if cached is not None:
             return cached
         name = spec.strip().lower()
+        if "://" in name:
+            return cls._of_kind(spec, name)
         if name == "cpu":
             kind, index = "cpu", None
         elif name == "cuda" or name.startswith("cuda:"):
@@ -164,10 +171,35 @@ class Device:
         cls._cache[spec] = dev
         return dev
 
+    @classmethod
+    def _of_kind(cls, spec: str, name: str) -> Device:
+        """The device ``spec`` names through the kind registered for its scheme."""
+        scheme = name.split("://", 1)[0]
+        kind = _device_kinds.kind_of_scheme(scheme)
+        if kind is None:
+            hint = " (import remote first)" if scheme == "remote" else ""
+            raise ValueError(
+                f"unknown device {spec!r}: no device kind {scheme!r} is registered{hint}"
+            )
+        canonical, index = kind.parse(name)
+        dev = cls._cache.get(canonical)
+        if dev is None:
+            dev = object.__new__(cls)
+            dev.type = kind.type
+            dev.index = index
+            dev._name = canonical
+            cls._cache[canonical] = dev
+        cls._cache[spec] = dev
+        return dev
+
     @property
-    def xp(self) -> ModuleType:
-        """The array module of this device: ``numpy`` or ``cupy``."""
-        return np if self.type == "cpu" else _load_cupy()
+    def xp(self) -> Any:
+        """The array module of this device: ``numpy``, ``cupy`` or a registered kind's."""
+        if self.type == "cpu":
+            return np
+        if self.type == "cuda":
+            return _load_cupy()
+        return _device_kinds.kind_of_device(self).xp(self)
 
     @property
     def is_cuda(self) -> bool:
@@ -180,6 +212,8 @@ class Device:
             cp = _load_cupy()
             with cp.cuda.Device(self.index):
                 cp.cuda.Device(self.index).synchronize()
+        elif self.type != "cpu":
+            _device_kinds.kind_of_device(self).synchronize(self)
 
     def __enter__(self) -> Device:
         """Make this the current CUDA device for array creation (no-op on the CPU)."""
@@ -232,10 +266,22 @@ def device(spec: str | Device | None = None) -> Device:
 
 
 def device_of(array: Any) -> Device:
-    """Return the device an array lives on (NumPy -> cpu, CuPy -> cuda:N)."""
+    """Return the device an array lives on (NumPy -> cpu, CuPy -> cuda:N, a registered
+    kind's array -> its device)."""
     if isinstance(array, np.ndarray | np.generic):
         return CPU
     mod = type(array).__module__
     if mod.startswith("cupy"):
         return Device(f"cuda:{array.device.id}")
+    kind = _device_kinds.kind_of_array(array)
+    if kind is not None:
+        return kind.device_of(array)
     raise TypeError(f"expected a NumPy or CuPy array, got {type(array).__name__}")
+
+
+def is_device_spec(value: Any) -> bool:
+    """True for a Device or a string naming one (``"cpu"``, ``"cuda..."``, ``"scheme://..."``),
+    as opposed to a dtype given where a device may be (``t.to("float64")``)."""
+    if isinstance(value, Device):
+        return True
+    return isinstance(value, str) and (value == "cpu" or value.startswith("cuda") or "://" in value)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _device_kinds
 from ._autograd import Function
 from ._device import Device, _load_cupy
 
@@ -36,8 +37,13 @@ __all__ = [
 
 
 def xp_of(a: Any) -> Any:
-    """Array module (numpy or cupy) of an array."""
-    return np if isinstance(a, np.ndarray | np.generic) else _load_cupy()
+    """Array module (numpy, cupy, or a registered device kind's) of an array."""
+    if isinstance(a, np.ndarray | np.generic):
+        return np
+    kind = _device_kinds.kind_of_array(a)
+    if kind is not None:
+        return kind.xp(kind.device_of(a))
+    return _load_cupy()
 
 
 # ============================================================================ binary arithmetic
@@ -384,6 +390,11 @@ class ToDevice(Function):
 def _move(a: Any, dev: Device) -> Any:
     if dev.type == "cpu":
         return a.get() if not isinstance(a, np.ndarray) else a
+    if dev.type != "cuda":  # a registered kind (remote): through the host
+        host = a if isinstance(a, np.ndarray) else a.get()
+        return _device_kinds.kind_of_device(dev).from_host(host, dev)
+    if not isinstance(a, np.ndarray) and _device_kinds.kind_of_array(a) is not None:
+        a = a.get()  # from a registered kind onto a GPU: through the host
     cp = _load_cupy()
     with cp.cuda.Device(dev.index):
         if isinstance(a, np.ndarray):

@@ -116,6 +116,8 @@ class Getitem(Function):
             # Repeated integer indices must add up (add.at), not overwrite.
             if xp is np:
                 np.add.at(grad, index, g)
+            elif hasattr(xp, "add_at"):  # a registered device kind's (remote) NumPy-like module
+                xp.add_at(grad, index, g)
             else:
                 import cupyx
 

@@ -43,10 +43,10 @@ class Generator:
 
     def random(self, shape: tuple[int, ...], dtype: Any, device: Device) -> Any:
         """Uniform [0, 1) samples of ``shape`` on ``device`` (generated there)."""
-        if device.type == "cpu":
-            return self.rng.random(
-                shape, dtype=np.float32 if dtype == np.float16 else dtype
-            ).astype(dtype, copy=False)
+        if device.type != "cuda":  # on the CPU; for a registered kind (remote), drawn here
+            host = self.rng.random(shape, dtype=np.float32 if dtype == np.float16 else dtype)
+            host = host.astype(dtype, copy=False)
+            return host if device.type == "cpu" else device.xp.asarray(host)
         cp = _load_cupy()
         with cp.cuda.Device(device.index):
             rng = self.cuda_rng(device)

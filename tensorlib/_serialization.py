@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._device import Device
+from ._device_kinds import kind_of_array
 from ._dtype import SUPPORTED
 from ._tensor import Tensor
 
@@ -38,7 +39,7 @@ _MANIFEST = "__manifest__"
 def _encode(obj: Any, arrays: dict[str, np.ndarray[Any, Any]], path: str) -> Any:
     if isinstance(obj, Tensor):
         obj = obj.numpy()
-    if type(obj).__module__.startswith("cupy"):
+    if type(obj).__module__.startswith("cupy") or kind_of_array(obj) is not None:
         obj = obj.get()
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:

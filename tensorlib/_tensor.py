@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import _autograd
-from ._device import CPU, Device, device_of
+from ._device import CPU, Device, device_of, is_device_spec
 from ._dtype import SUPPORTED, is_floating, normalize_dtype
 from ._tensor_ops import Scalar, TensorOps
 
@@ -38,7 +38,7 @@ def _value_on(value: Any, device: Device) -> Any:
     """
     if isinstance(value, Tensor):
         return value.detach().to(device)._data
-    if device.type == "cuda" and isinstance(value, np.ndarray | list | tuple):
+    if device.type != "cpu" and isinstance(value, np.ndarray | list | tuple):
         with device:  # onto this tensor's GPU, not whichever one is current
             return device.xp.asarray(value)
     return value
@@ -242,9 +242,7 @@ class Tensor(TensorOps):
         """
         out = self
         if target is not None:
-            if isinstance(target, Device) or (
-                isinstance(target, str) and (target == "cpu" or target.startswith("cuda"))
-            ):
+            if is_device_spec(target):
                 dev = Device(target)
                 if dev is not self._device:
                     out = _ew.ToDevice.apply(out, device=dev)

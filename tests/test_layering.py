@@ -90,6 +90,9 @@ def test_imports_go_down_the_stack_and_only_through_public_modules() -> None:
         ("collectives/_x.py", "def f():\n    import benchmarks.allreduce", "benchmarks"),
         ("ddp/_x.py", "from remote import serve", "may not import remote"),
         ("remote/_x.py", "from ddp import DataLoader", "may not import ddp"),
+        ("tensorlib/_x.py", "import remote", "may not import remote"),
+        ("collectives/_x.py", "from remote import devices", "may not import remote"),
+        ("remote/_x.py", "from tensorlib._device_kinds import register", "private module"),
         ("ddp/_x.py", "from tensorlib._tensor import Tensor", "private module of tensorlib"),
         ("benchmarks/x.py", "from collectives import _registry", "private module"),
         ("benchmarks/x.py", "from collectives.backends._nccl_lib import load", "private"),
@@ -108,6 +111,8 @@ def test_the_layering_check_allows_what_the_stack_allows() -> None:
         ("ddp/_x.py", "import collectives\nfrom tensorlib import nn"),
         ("collectives/backends/_x.py", "from .._backend import Backend\nfrom . import _shm"),
         ("benchmarks/x.py", "from collectives.backends.nccl import load_library"),
+        ("remote/_x.py", "import tensorlib as tl\nfrom collectives import Work"),
+        ("benchmarks/x.py", "import remote"),
     ]
     for where, source in ok:
         assert violations(ROOT / where, source + "\n") == [], (where, source)

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._device import Device
+from .._device import Device, is_device_spec
 from .._dtype import is_floating
 from .._tensor import Tensor, _clear_grads
 
@@ -181,10 +181,7 @@ class Module:
         ``device`` may also be a dtype (``model.to(tensorlib.float64)``), as in ``Tensor.to``.
         Only floating-point parameters and buffers are cast.
         """
-        if device is not None and not (
-            isinstance(device, Device)
-            or (isinstance(device, str) and (device == "cpu" or device.startswith("cuda")))
-        ):
+        if device is not None and not is_device_spec(device):
             device, dtype = None, device  # a dtype given positionally: cast it like dtype=
         for t in list(self.parameters()) + list(self.buffers()):
             # Only floating tensors are cast (as in PyTorch): an int64 index or counter buffer

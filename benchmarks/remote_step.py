@@ -1,0 +1,162 @@
+"""Time the digits MLP step locally and on a remote device over loopback, in the same run.
+
+    python -m benchmarks.remote_step                  # a `python -m remote serve` subprocess
+    python -m benchmarks.remote_step --steps 300 --json out.json
+
+The model is the one tests/remote trains (64-128-128-10, ReLU, cross-entropy, AdamW,
+float64, batch 64). Local and remote steps alternate in rounds (ABAB...) so that noise from
+a shared machine hits both; read the ratio of medians. Also printed: round trips per step
+(``remote.stats``), records sent per step, and the client's cost per op (issuing 20,000
+``a + b`` on remote arrays, which never waits, against the same on NumPy arrays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+import remote
+import tensorlib as tl
+import tensorlib.functional as F
+from tensorlib import nn, optim
+
+TOKEN = "benchmark-token"
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+    except ImportError:  # the same shapes without scikit-learn
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal((1797, 64)), rng.integers(0, 10, 1797)
+    x = (x - x.mean(0)) / (x.std(0) + 1.0)
+    return x.astype(np.float64), y.astype(np.int64)
+
+
+class _Trainer:
+    """One model and optimizer on one device; ``step()`` runs and times one step."""
+
+    def __init__(self, device: Any, x: np.ndarray, y: np.ndarray) -> None:
+        tl.manual_seed(0)
+        self.model = nn.Sequential(
+            nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+        ).to(tl.float64)
+        self.model.to(device)
+        self.opt = optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.device, self.x, self.y = device, x, y
+        self.rng = np.random.default_rng(1)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        idx = self.rng.integers(0, len(self.x), 64)
+        xb = tl.tensor(self.x[idx], device=self.device)
+        yb = tl.tensor(self.y[idx], device=self.device)
+        loss = F.cross_entropy(self.model(xb), yb)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        loss.item()  # the step's one wait
+        return time.perf_counter() - t0
+
+
+def _start_server() -> tuple[subprocess.Popen[str], str]:
+    fd, token_file = tempfile.mkstemp(prefix="remote-token-")
+    with os.fdopen(fd, "w") as f:
+        f.write(TOKEN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remote", "serve", "--device", "cpu", "--token-file", token_file],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    os.unlink(token_file)
+    if not line.startswith("serving"):
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line!r}")
+    return proc, line.split()[-1]
+
+
+def _per_op(dev: tl.Device, n: int = 20_000) -> tuple[float, float]:
+    """Microseconds to issue one ``a + b`` (64x128 float64) remotely, and locally."""
+    xp = dev.xp
+    a, b = xp.asarray(np.ones((64, 128))), xp.asarray(np.ones((64, 128)))
+    na, nb = np.ones((64, 128)), np.ones((64, 128))
+    dev.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a + b
+    t1 = time.perf_counter()
+    dev.synchronize()
+    t2 = time.perf_counter()
+    for _ in range(n):
+        na + nb
+    t3 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t3 - t2) / n * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table, and return the figures."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=200, help="timed steps of each (default 200)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--ops", type=int, default=20_000, help="additions timed for the per-op cost")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+    proc, address = _start_server()
+    try:
+        dev = remote.devices(address, token=TOKEN)[0]
+        x, y = _data()
+        local, far = _Trainer("cpu", x, y), _Trainer(dev, x, y)
+        for _ in range(args.warmup):
+            local.step(), far.step()
+        before = remote.stats(dev)
+        t_local, t_remote = [], []
+        for _ in range(args.steps):
+            t_local.append(local.step())
+            t_remote.append(far.step())
+        after = remote.stats(dev)
+        issue, numpy_op = _per_op(dev, args.ops)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    ml, mr = statistics.median(t_local) * 1e3, statistics.median(t_remote) * 1e3
+    out = {
+        "local_ms": ml,
+        "remote_ms": mr,
+        "ratio": mr / ml,
+        "round_trips_per_step": (after["round_trips"] - before["round_trips"]) / args.steps,
+        "records_per_step": (after["ops"] - before["ops"]) / args.steps,
+        "bytes_sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / args.steps,
+        "client_us_per_op": issue,
+        "numpy_us_per_op": numpy_op,
+    }
+    rt, ops, sent = out["round_trips_per_step"], out["records_per_step"], out["bytes_sent_per_step"]
+    print(
+        f"digits MLP step, median of {args.steps}: local {ml:.2f} ms, remote {mr:.2f} ms, "
+        f"ratio {mr / ml:.2f}x (target <= 1.5x)"
+    )
+    print(f"round trips per step {rt:.2f}, ops per step {ops:.0f}, bytes sent per step {sent:.0f}")
+    print(
+        f"client cost per op (a + b, 64x128 float64): remote {issue:.2f} us, "
+        f"NumPy computing it {numpy_op:.2f} us"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

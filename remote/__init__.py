@@ -1,0 +1,25 @@
+"""remote: devices that a server hosts, used from a client like local ones (Burn's remote
+backend).
+
+A server (``remote.serve([...])`` or ``python -m remote serve``) hosts devices; a client
+lists them with :func:`devices` and then runs ordinary tensorlib code on them: ops stream to
+the server without waiting (the client assigns ids and infers shapes and dtypes itself), and
+only reads (``.item()``, ``.numpy()``, printing) and ``device.synchronize()`` wait. See
+docs/remote.md.
+"""
+
+from ._client import close, devices, stats
+from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError, RemoteOpError
+from ._server import Server, serve
+
+__all__ = [
+    "RemoteAuthError",
+    "RemoteConnectionError",
+    "RemoteError",
+    "RemoteOpError",
+    "Server",
+    "close",
+    "devices",
+    "serve",
+    "stats",
+]

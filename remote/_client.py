@@ -1,0 +1,289 @@
+"""The client: reaching a server (``devices``), the handshake (``dial``), the device kind
+that makes ``tl.device("remote://HOST:PORT/INDEX")`` work, and ``stats``."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import tensorlib as tl
+
+from ._array import RemoteArray
+from ._conn import Framed, tune
+from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError
+from ._session import Session
+from ._wire import (
+    CONTROL,
+    DEVICES,
+    FLAG_AUTH,
+    GREETING,
+    LIST,
+    MAGIC,
+    MAX_HELLO_FRAME,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    REFUSED,
+    REFUSED_AUTH,
+    U8,
+    WELCOME,
+    ProtocolError,
+    Reader,
+    Seal,
+    client_proof,
+    hello,
+    server_proof,
+    session_key,
+)
+
+__all__ = ["ServerInfo", "devices", "dial", "stats"]
+
+
+@dataclass
+class ServerInfo:
+    """How to reach one server, as ``remote.devices`` learned it.
+
+    Attributes:
+        host, port: where it listens; ``where`` is ``"host:port"``.
+        token: the shared token (None: the server asks for none).
+        fingerprint: the pinned SHA-256 of its TLS certificate (None: no TLS).
+        timeout: seconds without a reply or heartbeat after which it counts as lost.
+        specs: its devices (``"cpu"``, ``"cuda:0"``), by index.
+    """
+
+    host: str
+    port: int
+    token: bytes | None
+    fingerprint: str | None
+    timeout: float
+    specs: list[str]
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+_servers: dict[str, ServerInfo] = {}
+_sessions: dict[Any, Session] = {}
+_lock = threading.Lock()
+
+
+def _split(address: str) -> tuple[str, int]:
+    m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", address.strip())
+    if m is None:
+        raise ValueError(f"remote address must be 'HOST:PORT', got {address!r}")
+    return m.group(1).lower(), int(m.group(2))
+
+
+def _norm_fingerprint(fp: str) -> str:
+    return fp.replace(":", "").strip().lower()
+
+
+def dial(info: ServerInfo, device: int) -> Framed:
+    """Connect to ``info``'s server and complete the handshake for ``device`` (or CONTROL).
+
+    Raises:
+        RemoteConnectionError: the server cannot be reached or broke off the handshake.
+        RemoteAuthError: a token or fingerprint mismatch, either way.
+    """
+    try:
+        sock = socket.create_connection((info.host, info.port), timeout=info.timeout)
+    except OSError as exc:
+        raise RemoteConnectionError(
+            f"cannot reach remote server {info.where}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        tune(sock)
+        if info.fingerprint is not None:
+            sock = _tls(sock, info)
+        framed = Framed(sock)
+        _handshake(framed, info, device)
+        sock.settimeout(None)
+        return framed
+    except RemoteError:
+        sock.close()
+        raise
+    except (OSError, EOFError, ProtocolError) as exc:
+        sock.close()
+        raise RemoteConnectionError(
+            f"remote server {info.where} broke off the handshake ({type(exc).__name__}: {exc})"
+            + ("; does it use --tls? then pass fingerprint=" if info.fingerprint is None else "")
+        ) from exc
+
+
+def _tls(sock: socket.socket, info: ServerInfo) -> socket.socket:
+    # The certificate is self-signed: its identity is the fingerprint we pin, not a CA chain.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    tls = ctx.wrap_socket(sock, server_hostname=info.host)
+    der = tls.getpeercert(binary_form=True) or b""
+    got = hashlib.sha256(der).hexdigest()
+    assert info.fingerprint is not None
+    if not hmac.compare_digest(got, _norm_fingerprint(info.fingerprint)):
+        tls.close()
+        raise RemoteAuthError(
+            f"remote server {info.where} presented a TLS certificate with fingerprint {got}, "
+            f"not the pinned {info.fingerprint}: refusing it"
+        )
+    return tls
+
+
+def _handshake(framed: Framed, info: ServerInfo, device: int) -> None:
+    magic, version, flags, sn = GREETING.unpack(bytes(framed.recv(MAX_HELLO_FRAME)))
+    if magic != MAGIC:
+        raise RemoteConnectionError(f"{info.where} is not a remote server (bad greeting)")
+    if version != PROTOCOL_VERSION:
+        raise RemoteConnectionError(
+            f"remote server {info.where} speaks protocol {version}, this client {PROTOCOL_VERSION}"
+        )
+    needs = bool(flags & FLAG_AUTH)
+    if needs and info.token is None:
+        raise RemoteAuthError(f"remote server {info.where} requires a token (pass token=...)")
+    if not needs and info.token is not None:
+        raise RemoteAuthError(
+            f"remote server {info.where} does not ask for the token, so it cannot prove it "
+            "knows it: refusing it"
+        )
+    cn = secrets.token_bytes(NONCE_BYTES)
+    framed.send(hello(device, cn, client_proof(info.token, sn, cn, device)))
+    reply = Reader(framed.recv(4 * MAX_HELLO_FRAME))
+    kind = reply.u8()
+    if kind == REFUSED:
+        why, message = reply.u8(), reply.str()
+        cls = RemoteAuthError if why == REFUSED_AUTH else RemoteError
+        raise cls(f"remote server {info.where} refused the connection: {message}")
+    if kind != WELCOME:
+        raise ProtocolError(f"unexpected handshake reply {kind}")
+    proof = bytes(reply.take(reply.u8()))
+    if not hmac.compare_digest(proof, server_proof(info.token, sn, cn, device)):
+        raise RemoteAuthError(f"remote server {info.where} could not prove it knows the token")
+    if info.token is not None:
+        framed.seal = Seal(session_key(info.token, sn, cn, device), server_side=False)
+
+
+def devices(
+    address: str,
+    token: str | bytes | None = None,
+    fingerprint: str | None = None,
+    timeout: float = 5.0,
+) -> list[tl.Device]:
+    """The devices a server hosts, as tensorlib devices (``remote://HOST:PORT/INDEX``).
+
+    After this, ``tl.device("remote://HOST:PORT/INDEX")`` names them too.
+
+    Args:
+        address: ``"HOST:PORT"`` of a ``python -m remote serve`` (or ``remote.serve``).
+        token: the server's token (it proves it knows it too; never sent).
+        fingerprint: the SHA-256 fingerprint of its TLS certificate (what ``--tls`` prints);
+            given, the connection uses TLS and refuses any other certificate.
+        timeout: seconds without an answer or heartbeat after which the server is lost.
+
+    Raises:
+        RemoteAuthError: a wrong or missing token, or a wrong fingerprint.
+        RemoteConnectionError: the server cannot be reached.
+    """
+    host, port = _split(address)
+    tok = token.encode("utf-8") if isinstance(token, str) else token
+    info = ServerInfo(host, port, tok or None, fingerprint, float(timeout), [])
+    framed = dial(info, CONTROL)
+    try:
+        framed.sock.settimeout(info.timeout)
+        framed.send(U8.pack(LIST))
+        r = Reader(framed.recv(1 << 20))
+        if r.u8() != DEVICES:
+            raise RemoteConnectionError(f"remote server {info.where} sent no device list")
+        info.specs = [r.str() for _ in range(r.u16())]
+    except (OSError, EOFError, ProtocolError) as exc:
+        raise RemoteConnectionError(f"remote server {info.where}: {exc}") from exc
+    finally:
+        framed.close()
+    with _lock:
+        _servers[info.where] = info
+    return [tl.device(f"remote://{info.where}/{i}") for i in range(len(info.specs))]
+
+
+def session_of(device: tl.Device) -> Session:
+    """The session of a remote device (made on first use; connects on its first op)."""
+    sess = _sessions.get(device)
+    if sess is None:
+        with _lock:
+            sess = _sessions.get(device)
+            if sess is None:
+                where = str(device)[len("remote://") :].rsplit("/", 1)[0]
+                sess = Session(_servers[where], int(device.index or 0), device)
+                _sessions[device] = sess
+    return sess
+
+
+def stats(device: tl.Device | str) -> dict[str, int]:
+    """Counters of this process's session on a remote device.
+
+    Returns:
+        ``round_trips`` (reads and synchronizes that waited for the server), ``ops`` (op
+        records issued; reads and frees not counted), ``bytes_sent`` and
+        ``bytes_received`` (on the wire, frame headers and tags included).
+    """
+    dev = tl.device(device)
+    if dev.type != "remote":
+        raise ValueError(f"stats: {dev} is not a remote device")
+    return session_of(dev).stats()
+
+
+def close(device: tl.Device | str) -> None:
+    """Close this process's session on a remote device (the server frees its arrays)."""
+    dev = tl.device(device)
+    with _lock:
+        sess = _sessions.pop(dev, None)
+    if sess is not None:
+        sess.close()
+
+
+class RemoteKind:
+    """The ``remote`` device kind registered with tensorlib."""
+
+    type = "remote"
+
+    def parse(self, spec: str) -> tuple[str, int]:
+        m = re.fullmatch(r"remote://(.+):(\d+)/(\d+)", spec)
+        if m is None:
+            raise ValueError(f"invalid remote device {spec!r}: expected 'remote://HOST:PORT/INDEX'")
+        where, index = f"{m.group(1)}:{int(m.group(2))}", int(m.group(3))
+        info = _servers.get(where)
+        if info is None:
+            raise ValueError(
+                f"remote device {spec!r}: its server {where} has not been reached in this "
+                f"process; call remote.devices({where!r}, token=...) first"
+            )
+        if index >= len(info.specs):
+            raise ValueError(
+                f"remote device {spec!r}: server {where} hosts {len(info.specs)} device(s)"
+            )
+        return f"remote://{where}/{index}", index
+
+    def xp(self, device: tl.Device) -> Any:
+        return session_of(device).xp
+
+    def synchronize(self, device: tl.Device) -> None:
+        session_of(device).sync()
+
+    def device_of(self, array: Any) -> tl.Device:
+        return array._sess.device
+
+    def to_host(self, array: Any) -> np.ndarray[Any, Any]:
+        return array.get()
+
+    def from_host(self, array: np.ndarray[Any, Any], device: tl.Device) -> Any:
+        return session_of(device).upload(array)
+
+
+tl.register_device_kind("remote", RemoteKind(), (RemoteArray,))

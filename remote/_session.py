@@ -1,0 +1,356 @@
+"""The client's side of one session: one connection to one device of a server.
+
+Ops become records (``issue``) in a buffer that goes out as one frame when it holds enough
+records or bytes, or when a read or a synchronize needs the answer (``read``, ``sync``): only
+those wait, and they count as round trips. The records' order on the wire is the order the
+server runs them in; ``seq`` numbers them from 0 on both ends, so an error the server
+reports by ``seq`` is matched here with the call site recorded when the op was issued.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import tensorlib
+
+from ._array import RemoteArray, code
+from ._errors import RemoteConnectionError, RemoteError, RemoteOpError
+from ._wire import (
+    DROP,
+    HEARTBEAT,
+    OP_ERROR,
+    OPS,
+    READ,
+    RECORD_HEAD,
+    RECORDS,
+    RECORDS_HEAD,
+    REPLY,
+    REPLY_HEAD,
+    SYNC,
+    U64,
+    ProtocolError,
+    Reader,
+    put,
+    read_error,
+)
+
+if TYPE_CHECKING:
+    from ._client import ServerInfo
+    from ._conn import Framed
+
+__all__ = ["Session"]
+
+# A frame goes out once it holds this many records or bytes (or at a read).
+FLUSH_RECORDS = 64
+FLUSH_BYTES = 1 << 20
+_LIB_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
+    for m in (tensorlib, sys.modules[__package__])
+)
+_is_lib: dict[Any, bool] = {}
+
+
+def _site() -> tuple[Any, int] | None:
+    """(code, line) of the first caller outside tensorlib and remote: where the user issued
+    the op. A few dict lookups, since every op pays for it."""
+    f: Any = sys._getframe(2)
+    while f is not None:
+        c = f.f_code
+        lib = _is_lib.get(c)
+        if lib is None:
+            lib = _is_lib[c] = c.co_filename.startswith(_LIB_DIRS)
+        if not lib:
+            return c, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def _describe_site(site: tuple[Any, int] | None) -> str:
+    if site is None:
+        return "?"
+    c, line = site
+    return f"{c.co_filename}:{line} in {c.co_name}"
+
+
+class Session:
+    """One device of one server, as this process uses it (see the module doc).
+
+    Attributes:
+        device: the tensorlib device (``remote://HOST:PORT/INDEX``).
+        drops: ids of handles that died, sent with the next frame.
+    """
+
+    def __init__(self, server: ServerInfo, index: int, device: Any) -> None:
+        from ._namespace import RemoteNamespace
+
+        self.server = server
+        self.index = index
+        self.device = device
+        self.xp = RemoteNamespace(self)
+        self.drops: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+        self._framed: Framed | None = None
+        self._dead: RemoteConnectionError | None = None
+        self._parts: list[bytes] = []
+        self._nbuf = 0
+        self._bytes = 0
+        self._waits = 0  # READ and SYNC records in the buffer
+        self._ids = itertools.count(1)
+        self._reqs = itertools.count(1)
+        self._seq = 0  # records sent so far
+        self._sites: list[tuple[Any, int] | None] = []  # of records from _site_base on
+        self._site_base = 0
+        self._failed: dict[int, str] = {}  # seq -> where that failed op was issued
+        self.round_trips = 0
+        self.ops = 0
+
+    # ------------------------------------------------------------------ issuing
+    def issue(self, op: int, flags: int, out: int, args: tuple[Any, ...]) -> None:
+        """Queue one record (its result id ``out`` is the caller's)."""
+        site = _site()
+        parts = [RECORD_HEAD.pack(op, flags, out, len(args))]
+        for a in args:
+            put(parts, a)
+        with self._lock:
+            if self._dead is not None or self._framed is None:
+                self._append(parts, site)
+            else:  # _append, inlined: this runs for every op
+                self._parts += parts
+                self._nbuf += 1
+                self._bytes += len(parts[-1])  # an array's data comes last
+                self._sites.append(site)
+            self.ops += 1
+            if self._nbuf >= FLUSH_RECORDS or self._bytes >= FLUSH_BYTES:
+                self._flush()
+
+    def issue_new(
+        self,
+        op: int,
+        args: tuple[Any, ...],
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        view_of: RemoteArray | None = None,
+        contig: bool = True,
+    ) -> RemoteArray:
+        """Queue a record whose result is a new array, and return its handle."""
+        a = object.__new__(RemoteArray)
+        a._sess = self
+        a._id = next(self._ids)
+        a.shape = shape
+        a.dtype = dtype
+        a.ndim = len(shape)
+        a.base = None if view_of is None else (view_of if view_of.base is None else view_of.base)
+        a._contig = contig
+        self.issue(op, 0, a._id, args)
+        return a
+
+    def _append(self, parts: list[bytes], site: tuple[Any, int] | None) -> None:
+        if self._dead is not None:
+            raise RemoteConnectionError(str(self._dead))
+        if self._framed is None:
+            self._connect()
+        self._parts.extend(parts)
+        self._nbuf += 1
+        self._bytes += len(parts[-1])
+        self._sites.append(site)
+
+    def _connect(self) -> None:
+        from ._client import dial
+
+        self._framed = dial(self.server, self.index)
+
+    def _flush(self) -> None:
+        drops = self.drops
+        while drops:
+            self._parts.append(RECORD_HEAD.pack(DROP, 0, drops.popleft(), 0))
+            self._nbuf += 1
+            self._sites.append(None)
+        if not self._nbuf or self._framed is None:
+            return
+        payload = RECORDS_HEAD.pack(RECORDS, self._waits, self._nbuf) + b"".join(self._parts)
+        self._waits = 0
+        self._seq += self._nbuf
+        self._parts.clear()
+        self._nbuf = 0
+        self._bytes = 0
+        try:
+            self._framed.send(payload)
+        except OSError as exc:
+            raise self._die(f"sending to it failed ({type(exc).__name__}: {exc})") from exc
+
+    def flush(self) -> None:
+        """Send what is buffered (drops included) without waiting for anything."""
+        with self._lock:
+            if self._dead is None and self._framed is not None:
+                self._flush()
+
+    # ------------------------------------------------------------------ waiting
+    def read(self, a: RemoteArray) -> np.ndarray[Any, Any]:
+        """The data of ``a`` (a round trip)."""
+        if a._sess is not self:
+            raise ValueError(f"array of {a._sess.device} read through {self.device}")
+        with self._lock:
+            req = next(self._reqs)
+            self._append([RECORD_HEAD.pack(READ, 0, req, 1)] + _ref(a), None)
+            self._waits += 1
+            r = self._round_trip(req)
+            if r.u8() != 11:  # T_ARRAY
+                raise self._die("it sent a READ reply without an array")
+            try:
+                out = r.array()
+                r.done()
+            except ProtocolError as exc:
+                raise self._die(f"it sent a malformed reply ({exc})") from exc
+        if out.shape != a.shape or out.dtype != a.dtype:
+            raise RemoteError(
+                f"{self.device}: the server computed shape {out.shape} {out.dtype} where the "
+                f"client inferred {a.shape} {a.dtype} (a bug in remote's inference rules)"
+            )
+        return out
+
+    def sync(self) -> None:
+        """Wait until the server ran every record sent so far (a round trip)."""
+        with self._lock:
+            req = next(self._reqs)
+            self._append([RECORD_HEAD.pack(SYNC, 0, req, 0)], None)
+            self._waits += 1
+            self._round_trip(req)
+
+    def _round_trip(self, req: int) -> Reader:
+        self._flush()
+        self.round_trips += 1
+        framed = self._framed
+        assert framed is not None
+        timeout = self.server.timeout
+        try:
+            framed.sock.settimeout(timeout)
+            while True:
+                payload = framed.recv()
+                if payload[0] == HEARTBEAT:
+                    continue
+                if payload[0] != REPLY:
+                    raise ProtocolError(f"unexpected frame kind {payload[0]}")
+                r = Reader(payload)
+                _, rid, status = r.unpack(REPLY_HEAD)
+                if rid != req:
+                    raise ProtocolError(f"a reply to request {rid}, waiting for {req}")
+                error = self._take_reply(r, status)
+                if error is not None:
+                    raise error
+                return r
+        except TimeoutError as exc:
+            raise self._die(f"no reply and no heartbeat for {timeout:g} s") from exc
+        except (OSError, EOFError, ProtocolError) as exc:
+            raise self._die(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if self._dead is None:
+                try:
+                    framed.sock.settimeout(None)
+                except OSError:
+                    pass
+
+    def _take_reply(self, r: Reader, status: int) -> RemoteOpError | None:
+        """Note the sites of every op the reply says failed; the error to raise, if any."""
+        for _ in range(r.u32()):
+            seq = r.unpack(U64)[0]
+            i = seq - self._site_base
+            if 0 <= i < len(self._sites):
+                self._failed[seq] = _describe_site(self._sites[i])
+        self._site_base = self._seq
+        self._sites.clear()
+        if status == OP_ERROR:
+            seq, op, message = read_error(r)
+            name = OPS[op] if op < len(OPS) else f"op {op}"
+            site = self._failed.get(seq, "?")
+            return RemoteOpError(
+                f"remote op {name!r} failed on {self.device}: {message} (issued at {site})",
+                op=name,
+                site=site,
+            )
+        if status != 0:
+            seq, op, message = read_error(r)
+            return RemoteOpError(f"{self.device}: the server refused a request: {message}")
+        return None
+
+    def _die(self, why: str) -> RemoteConnectionError:
+        err = RemoteConnectionError(
+            f"lost the connection to remote server {self.server.where} "
+            f"(device {self.device}): {why}"
+        )
+        self._dead = err
+        if self._framed is not None:
+            self._framed.close()
+        return err
+
+    # ------------------------------------------------------------------ arguments
+    def upload(self, host: np.ndarray[Any, Any]) -> RemoteArray:
+        """A copy of the NumPy array ``host`` on this device."""
+        host = np.asarray(host)
+        return self.issue_new(code("upload"), (host,), tuple(host.shape), host.dtype)
+
+    def index_arg(self, index: Any) -> Any:
+        """``index`` ready for a record: lists as arrays, this device's boolean masks read
+        (the result's shape depends on their values), handles of other devices refused."""
+        if type(index) is tuple:
+            return tuple(self._index_part(p) for p in index)
+        return self._index_part(index)
+
+    def _index_part(self, p: Any) -> Any:
+        if type(p) is RemoteArray:
+            if p._sess is not self:
+                raise ValueError(f"an index on {p._sess.device} for an array on {self.device}")
+            if p.dtype.kind == "b":
+                return p.get()
+            if p.dtype.kind not in "iu":
+                raise IndexError("arrays used as indices must be of integer (or boolean) type")
+            return p
+        if isinstance(p, list):
+            return np.asarray(p)
+        if hasattr(p, "_data") and hasattr(p, "requires_grad"):  # a tensorlib Tensor
+            return self._index_part(p._data)
+        return p
+
+    def operand_shape(self, v: Any) -> tuple[int, ...] | None:
+        """The shape of an operand that may go in a record (None: it may not)."""
+        if type(v) is RemoteArray:
+            if v._sess is not self:
+                raise ValueError(f"an array on {v._sess.device} used with {self.device}")
+            return v.shape
+        if type(v) in (bool, int, float):
+            return ()
+        if isinstance(v, np.ndarray | np.generic):
+            return tuple(np.shape(v))
+        return None
+
+    def close(self) -> None:
+        """Send what is left and close the connection (the server frees the session)."""
+        with self._lock:
+            if self._framed is not None and self._dead is None:
+                try:
+                    self._flush()
+                except RemoteError:
+                    pass
+                self._framed.close()
+            self._dead = RemoteConnectionError(f"{self.device}: the session was closed")
+
+    def stats(self) -> dict[str, int]:
+        framed = self._framed
+        return {
+            "round_trips": self.round_trips,
+            "ops": self.ops,
+            "bytes_sent": framed.sent if framed is not None else 0,
+            "bytes_received": framed.received if framed is not None else 0,
+        }
+
+
+def _ref(a: RemoteArray) -> list[bytes]:
+    parts: list[bytes] = []
+    put(parts, a)
+    return parts

@@ -1,0 +1,472 @@
+"""The remote wire protocol: its specification, the fixed op table, and the one codec.
+
+Both ends build and parse every message here; nothing from the wire is unpickled, evaluated
+or looked up by name: an op is a number that indexes :data:`OPS`, a dtype a number that
+indexes :data:`DTYPES`. A reviewer auditing the format needs only this file.
+
+Frames
+------
+Every message is a frame: a 4-byte little-endian payload length ``n`` (``1 <= n <=
+MAX_FRAME_BYTES``; ``MAX_HELLO_FRAME`` before the handshake is done) and ``n`` bytes. With a
+token, every frame after the handshake ends in a 32-byte tag ``HMAC-SHA256(session key,
+direction + u64 seq + payload)`` (direction ``b"C"`` from the client, ``b"S"`` from the
+server, ``seq`` counting that direction's frames from 0), counted by the length: a frame
+altered, dropped, replayed or reordered fails its tag and the connection is closed.
+
+Handshake (TLS, when used, wraps the socket first)::
+
+    server: GREETING  b"DPTR" u8 version u8 flags nonce[32]     (flags bit 0: token required)
+    client: HELLO     0x01 u8 version u16 device nonce[32] u8 n proof[n]
+    server: WELCOME   0x10 u8 n proof[n]          or REFUSED 0x14 u8 kind bytes message
+
+with ``proof = HMAC(token, b"dpt-remote v1 client" + sn + cn + u16 device)``, the server's
+proof the same with ``b"... server"``, the session key with ``b"... session"`` (empty proofs
+without a token). The token never crosses the wire; the server says nothing about its
+devices before the client's proof checked (``hmac.compare_digest``), and the client refuses a
+server that cannot prove the token too. ``device`` is ``CONTROL`` (0xFFFF) for a connection
+that asks for the device list (LIST 0x02 -> DEVICES 0x11 u16 count + count ``str``), else the
+index of the device the session runs on.
+
+Records
+-------
+A session's client sends RECORDS frames (``0x03 u16 waits u32 count`` + records; ``waits``
+counts its READ and SYNC records), each record
+``u16 op u8 flags u32 out u8 nargs`` + ``nargs`` values. ``out`` is the id the client gave the
+result (ids are the client's; the server keeps one table per session); with ``FLAG_OUT`` it
+is an existing array written in place (``out=``). DROP frees ``out``; READ (``out`` = request
+id, one REF) and SYNC (``out`` = request id) are answered by REPLY ``0x12 u32 request u8
+status u32 n`` + ``n`` u64 seqs of the ops that failed since the last reply (``seq`` counts
+the session's records from 0), then for ``OK`` a READ's ARRAY value, for ``OP_ERROR`` ``u64
+seq u16 op str message``: the first op that failed since the last reply, or the one that
+poisoned the array read (UPLOAD puts its ARRAY argument in the table). HEARTBEAT (0x13)
+frames come once a second while a reply is due, so a client tells a busy server from a dead
+one.
+
+Values: a u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id),
+TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), ARRAY (u8 dtype,
+u8 ndim, ndim x u64 dims, the C-order little-endian bytes). No strings: an op's arguments are
+numbers, ids, dtypes and arrays only. A ``str`` elsewhere is ``u32 n`` + UTF-8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DPTR"
+NONCE_BYTES = 32
+TAG_BYTES = 32
+MAX_HELLO_FRAME = 256
+MAX_FRAME_BYTES = 1 << 30
+MAX_NDIM = 32
+MAX_NEST = 8
+CONTROL = 0xFFFF
+FLAG_AUTH = 0x01
+FLAG_OUT = 0x01
+
+# Frame kinds (the first payload byte).
+HELLO, LIST, RECORDS = 0x01, 0x02, 0x03
+WELCOME, DEVICES, REPLY, HEARTBEAT, REFUSED = 0x10, 0x11, 0x12, 0x13, 0x14
+# REPLY status.
+OK, OP_ERROR, BAD_REQUEST = 0, 1, 2
+# REFUSED kinds.
+REFUSED_AUTH, REFUSED_PROTOCOL, REFUSED_DEVICE, REFUSED_BUSY = 1, 2, 3, 4
+
+# The fixed op table: a record's op code is an index here, on both ends.
+OPS: tuple[str, ...] = (
+    # session
+    "drop", "read", "sync", "upload",
+    # creation
+    "full", "arange",
+    # binary ufuncs
+    "add", "subtract", "multiply", "true_divide", "floor_divide", "remainder", "power",
+    "maximum", "minimum", "equal", "not_equal", "less", "less_equal", "greater",
+    "greater_equal", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "arctan2",
+    # unary ufuncs
+    "negative", "positive", "absolute", "exp", "log", "sqrt", "tanh", "sign", "isfinite",
+    "isnan", "isinf", "logical_not", "invert", "square", "sin", "cos", "log1p", "expm1",
+    "floor", "ceil", "reciprocal",
+    # reductions
+    "sum", "mean", "max", "min", "any", "all", "argmax", "argmin", "prod",
+    # linear algebra
+    "matmul",
+    # movement and the rest
+    "reshape", "transpose", "broadcast_to", "expand_dims", "squeeze", "swapaxes", "getitem",
+    "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
+)  # fmt: skip
+OP_CODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
+BINARY_UFUNCS = OPS[OP_CODES["add"] : OP_CODES["arctan2"] + 1]
+UNARY_UFUNCS = OPS[OP_CODES["negative"] : OP_CODES["reciprocal"] + 1]
+REDUCTIONS = OPS[OP_CODES["sum"] : OP_CODES["prod"] + 1]
+DROP, READ, SYNC, UPLOAD = 0, 1, 2, 3
+
+DTYPES: tuple[np.dtype[Any], ...] = tuple(
+    np.dtype(n)
+    for n in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+)  # fmt: skip
+DTYPE_CODES: dict[np.dtype[Any], int] = {dt: i for i, dt in enumerate(DTYPES)}
+
+# Value tags.
+T_NONE, T_FALSE, T_TRUE, T_INT, T_FLOAT, T_REF, T_TUPLE, T_SLICE = range(8)
+T_ELLIPSIS, T_DTYPE, _T_UNUSED, T_ARRAY = range(8, 12)
+
+U8 = struct.Struct("<B")
+U16 = struct.Struct("<H")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+F64 = struct.Struct("<d")
+FRAME_HEADER = U32
+RECORD_HEAD = struct.Struct("<HBIB")
+_TAG_INT = struct.Struct("<Bq")
+_TAG_FLOAT = struct.Struct("<Bd")
+_TAG_REF = struct.Struct("<BI")
+_TAG_U16 = struct.Struct("<BH")
+_ARRAY_HEAD = struct.Struct("<BBB")
+GREETING = struct.Struct(f"<{len(MAGIC)}sBB{NONCE_BYTES}s")
+_HELLO_HEAD = struct.Struct(f"<BBH{NONCE_BYTES}sB")
+REPLY_HEAD = struct.Struct("<BIB")
+_ERROR_HEAD = struct.Struct("<QH")
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class ProtocolError(Exception):
+    """A malformed frame or value (the receiving end closes the connection)."""
+
+
+class Handle:
+    """Base of the client's array handles: the codec sends one as a REF to its ``_id``."""
+
+    __slots__ = ("_id",)
+    _id: int
+
+
+class Ref(int):
+    """A REF decoded on the server: the id of an array in the session's table."""
+
+    __slots__ = ()
+
+
+# ---------------------------------------------------------------------------- values
+def put(parts: list[bytes], v: Any, depth: int = 0) -> None:
+    """Append the encoding of ``v`` to ``parts``.
+
+    Raises:
+        TypeError: for a value the protocol cannot carry.
+    """
+    t = type(v)
+    if isinstance(v, Handle):
+        parts.append(_TAG_REF.pack(T_REF, v._id))
+    elif t is float:
+        parts.append(_TAG_FLOAT.pack(T_FLOAT, v))
+    elif t is bool:
+        parts.append(U8.pack(T_TRUE if v else T_FALSE))
+    elif t is int:
+        if not _I64_MIN <= v <= _I64_MAX:
+            raise TypeError(f"integer {v} does not fit in 64 bits")
+        parts.append(_TAG_INT.pack(T_INT, v))
+    elif v is None:
+        parts.append(U8.pack(T_NONE))
+    elif t is tuple or t is list:
+        if depth >= MAX_NEST or len(v) > 0xFFFF:
+            raise TypeError("sequence nested too deep or too long for the remote protocol")
+        parts.append(_TAG_U16.pack(T_TUPLE, len(v)))
+        for x in v:
+            put(parts, x, depth + 1)
+    elif t is slice:
+        parts.append(U8.pack(T_SLICE))
+        for x in (v.start, v.stop, v.step):
+            put(parts, _plain_int(x), depth + 1)
+    elif v is Ellipsis:
+        parts.append(U8.pack(T_ELLIPSIS))
+    elif isinstance(v, np.dtype):
+        parts.append(U8.pack(T_DTYPE))
+        parts.append(U8.pack(dtype_code(v)))
+    elif isinstance(v, np.ndarray | np.generic):
+        put_array(parts, np.asarray(v))
+    elif isinstance(v, np.integer | np.floating | np.bool_):  # pragma: no cover - np.generic
+        put(parts, v.item(), depth)
+    else:
+        raise TypeError(f"a {type(v).__name__} cannot be sent to a remote device")
+
+
+def _plain_int(x: Any) -> Any:
+    if x is None or type(x) is int or isinstance(x, Handle):
+        return x
+    if isinstance(x, np.integer):
+        return int(x)
+    if hasattr(x, "__index__"):
+        return x.__index__()
+    raise TypeError(f"slice indices must be integers or None, got {type(x).__name__}")
+
+
+def dtype_code(dt: np.dtype[Any]) -> int:
+    """The wire code of ``dt``.
+
+    Raises:
+        TypeError: for a dtype the protocol does not carry.
+    """
+    code = DTYPE_CODES.get(dt)
+    if code is None:
+        raise TypeError(f"dtype {dt} cannot be sent to a remote device")
+    return code
+
+
+def put_array(parts: list[bytes], a: np.ndarray[Any, Any]) -> None:
+    """Append an ARRAY value (C order, little-endian)."""
+    if a.ndim > MAX_NDIM:
+        raise TypeError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
+    code = dtype_code(a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype)
+    a = np.asarray(a, dtype=DTYPES[code].newbyteorder("<"))
+    if not a.flags.c_contiguous:  # (not ascontiguousarray: it makes 0-d arrays 1-d)
+        a = a.copy(order="C")
+    parts.append(_ARRAY_HEAD.pack(T_ARRAY, code, a.ndim))
+    if a.ndim:
+        parts.append(struct.pack(f"<{a.ndim}Q", *a.shape))
+    parts.append(a.tobytes())
+
+
+class Reader:
+    """Parses one payload; every violation raises :class:`ProtocolError`."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes | bytearray | memoryview, pos: int = 0) -> None:
+        self.buf = memoryview(buf)
+        self.pos = pos
+
+    def take(self, n: int) -> memoryview:
+        end = self.pos + n
+        if n < 0 or end > len(self.buf):
+            raise ProtocolError(f"truncated frame: wanted {n} bytes at offset {self.pos}")
+        out = self.buf[self.pos : end]
+        self.pos = end
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
+        end = self.pos + st.size
+        if end > len(self.buf):
+            raise ProtocolError(f"truncated frame: wanted {st.size} bytes at offset {self.pos}")
+        out = st.unpack_from(self.buf, self.pos)
+        self.pos = end
+        return out
+
+    def u8(self) -> int:
+        return int(self.unpack(U8)[0])
+
+    def u16(self) -> int:
+        return int(self.unpack(U16)[0])
+
+    def u32(self) -> int:
+        return int(self.unpack(U32)[0])
+
+    def str(self) -> str:
+        n = self.u32()
+        try:
+            return bytes(self.take(n)).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError("a string that is not UTF-8") from exc
+
+    def done(self) -> None:
+        if self.pos != len(self.buf):
+            raise ProtocolError(f"{len(self.buf) - self.pos} trailing bytes in a frame")
+
+    def value(self, depth: int = 0) -> Any:
+        """The next value (REF as :class:`Ref`, ARRAY as a fresh NumPy array)."""
+        tag = self.u8()
+        if tag == T_REF:
+            return Ref(self.u32())
+        if tag == T_INT:
+            return int(self.unpack(I64)[0])
+        if tag == T_FLOAT:
+            return float(self.unpack(F64)[0])
+        if tag <= T_TRUE:
+            return (None, False, True)[tag]
+        if tag == T_TUPLE:
+            if depth >= MAX_NEST:
+                raise ProtocolError("values nested too deep")
+            return tuple(self.value(depth + 1) for _ in range(self.u16()))
+        if tag == T_SLICE:
+            parts = [self.value(depth + 1) for _ in range(3)]
+            if any(p is not None and type(p) is not int for p in parts):
+                raise ProtocolError("a slice whose bounds are not integers")
+            return slice(*parts)
+        if tag == T_ELLIPSIS:
+            return Ellipsis
+        if tag == T_DTYPE:
+            return self.dtype()
+        if tag == T_ARRAY:
+            return self.array()
+        raise ProtocolError(f"unknown value tag {tag}")
+
+    def dtype(self) -> np.dtype[Any]:
+        code = self.u8()
+        if code >= len(DTYPES):
+            raise ProtocolError(f"unknown dtype code {code}")
+        return DTYPES[code]
+
+    def array(self) -> np.ndarray[Any, Any]:
+        dt = self.dtype()
+        ndim = self.u8()
+        if ndim > MAX_NDIM:
+            raise ProtocolError(f"an array of {ndim} dimensions (at most {MAX_NDIM})")
+        shape = struct.unpack_from(f"<{ndim}Q", self.take(8 * ndim)) if ndim else ()
+        count = math.prod(shape)
+        nbytes = count * dt.itemsize
+        if nbytes > len(self.buf) - self.pos:
+            raise ProtocolError(f"an array of shape {shape} is longer than its frame")
+        data = self.take(nbytes)
+        # A copy: the frame's buffer is read-only, and an array may be written in place.
+        return np.frombuffer(data, dtype=dt.newbyteorder("<"), count=count).reshape(shape).copy()
+
+
+# ---------------------------------------------------------------------------- records
+def record_head(op: int, flags: int, out: int, nargs: int) -> bytes:
+    return RECORD_HEAD.pack(op, flags, out, nargs)
+
+
+RECORDS_HEAD = struct.Struct("<BHI")  # kind, how many READ/SYNC records, records
+
+
+def read_records(
+    payload: bytes | bytearray | memoryview,
+) -> list[tuple[int, int, int, tuple[Any, ...]]]:
+    """The records of a RECORDS frame: ``(op, flags, out, args)`` each.
+
+    The loop reads the common values (REF, FLOAT, INT, NONE, booleans) inline: the server
+    decodes every record of every op, so this is its hot path.
+    """
+    r = Reader(payload)
+    kind, _, count = r.unpack(RECORDS_HEAD)
+    if kind != RECORDS:
+        raise ProtocolError(f"a session may only send records, got frame kind {kind}")
+    buf, pos, end = r.buf, r.pos, len(r.buf)
+    out: list[tuple[int, int, int, tuple[Any, ...]]] = []
+    append = out.append
+    head, ref, f64, i64 = RECORD_HEAD.unpack_from, _U32_AT, F64.unpack_from, I64.unpack_from
+    nops = len(OPS)
+    while pos < end:
+        if pos + 8 > end:
+            raise ProtocolError(f"truncated record at offset {pos}")
+        op, flags, oid, nargs = head(buf, pos)
+        pos += 8
+        if op >= nops:
+            raise ProtocolError(f"unknown op code {op}")
+        args: list[Any] = []
+        for _ in range(nargs):
+            if pos >= end:
+                raise ProtocolError(f"truncated record at offset {pos}")
+            tag = buf[pos]
+            if tag == T_REF and pos + 5 <= end:
+                args.append(Ref(ref(buf, pos + 1)[0]))
+                pos += 5
+            elif tag == T_FLOAT and pos + 9 <= end:
+                args.append(f64(buf, pos + 1)[0])
+                pos += 9
+            elif tag == T_INT and pos + 9 <= end:
+                args.append(i64(buf, pos + 1)[0])
+                pos += 9
+            elif tag <= T_TRUE:
+                args.append((None, False, True)[tag])
+                pos += 1
+            else:
+                r.pos = pos
+                args.append(r.value())
+                pos = r.pos
+        append((op, flags, oid, tuple(args)))
+    if len(out) != count:
+        raise ProtocolError(f"a frame announced {count} records and held {len(out)}")
+    return out
+
+
+_U32_AT = U32.unpack_from
+
+
+def reply(request: int, failed: list[int], error: tuple[int, int, str] | None = None) -> bytes:
+    """A REPLY: the seqs of the ops that failed since the last one, then (status OP_ERROR)
+    the error to raise; a READ's ARRAY follows an OK one."""
+    head = REPLY_HEAD.pack(REPLY, request, OK if error is None else OP_ERROR)
+    body = U32.pack(len(failed)) + b"".join(U64.pack(s) for s in failed)
+    if error is None:
+        return head + body
+    seq, op, message = error
+    data = message.encode("utf-8", "replace")[:4096]
+    return head + body + _ERROR_HEAD.pack(seq, op) + U32.pack(len(data)) + data
+
+
+def read_error(r: Reader) -> tuple[int, int, str]:
+    seq, op = r.unpack(_ERROR_HEAD)
+    return int(seq), int(op), r.str()
+
+
+def refused(kind: int, message: str) -> bytes:
+    data = message.encode("utf-8")[:200]
+    return U8.pack(REFUSED) + U8.pack(kind) + U32.pack(len(data)) + data
+
+
+# ---------------------------------------------------------------------------- handshake
+def _mac(token: bytes, label: bytes, sn: bytes, cn: bytes, device: int) -> bytes:
+    return hmac.new(token, label + sn + cn + U16.pack(device), hashlib.sha256).digest()
+
+
+def client_proof(token: bytes | None, sn: bytes, cn: bytes, device: int) -> bytes:
+    return b"" if token is None else _mac(token, b"dpt-remote v1 client", sn, cn, device)
+
+
+def server_proof(token: bytes | None, sn: bytes, cn: bytes, device: int) -> bytes:
+    return b"" if token is None else _mac(token, b"dpt-remote v1 server", sn, cn, device)
+
+
+def session_key(token: bytes, sn: bytes, cn: bytes, device: int) -> bytes:
+    return _mac(token, b"dpt-remote v1 session", sn, cn, device)
+
+
+def hello(device: int, cn: bytes, proof: bytes) -> bytes:
+    return _HELLO_HEAD.pack(HELLO, PROTOCOL_VERSION, device, cn, len(proof)) + proof
+
+
+def parse_hello(payload: bytes) -> tuple[int, int, bytes, bytes]:
+    """``(version, device, client nonce, proof)`` of a HELLO."""
+    r = Reader(payload)
+    kind, version, device, cn, n = r.unpack(_HELLO_HEAD)
+    if kind != HELLO or n > 64:
+        raise ProtocolError("not a HELLO")
+    proof = bytes(r.take(n))
+    r.done()
+    return int(version), int(device), bytes(cn), proof
+
+
+class Seal:
+    """Tags outgoing and checks incoming frames of one connection (see the module doc)."""
+
+    __slots__ = ("key", "recv_dir", "recv_seq", "send_dir", "send_seq")
+
+    def __init__(self, key: bytes, server_side: bool) -> None:
+        self.key = key
+        self.send_dir, self.recv_dir = (b"S", b"C") if server_side else (b"C", b"S")
+        self.send_seq = 0
+        self.recv_seq = 0
+
+    def tag(self, *payload: bytes | memoryview) -> bytes:
+        mac = hmac.new(self.key, self.send_dir + U64.pack(self.send_seq), hashlib.sha256)
+        for part in payload:
+            mac.update(part)
+        self.send_seq += 1
+        return mac.digest()
+
+    def check(self, payload: memoryview, tag: memoryview) -> None:
+        mac = hmac.new(self.key, self.recv_dir + U64.pack(self.recv_seq), hashlib.sha256)
+        mac.update(payload)
+        if not hmac.compare_digest(mac.digest(), bytes(tag)):
+            raise ProtocolError("a frame failed its integrity tag (altered, replayed or lost)")
+        self.recv_seq += 1
