@@ -39,6 +39,6 @@ def test_readme_main_job_runs_the_example() -> None:
 
 
 def test_every_package_is_typed_and_declares_all() -> None:
-    for pkg in ("tensorlib", "collectives", "ddp"):
+    for pkg in ("tensorlib", "collectives", "ddp", "remote"):
         assert (ROOT / pkg / "py.typed").is_file(), f"{pkg} lacks py.typed"
         assert "__all__" in (ROOT / pkg / "__init__.py").read_text(), f"{pkg} lacks __all__"
