@@ -20,6 +20,7 @@ __all__ = [
     "engine_kinds",
     "make_backend",
     "register_engine",
+    "unregister_engine",
 ]
 
 EngineFactory = Callable[[GroupInfo, ThreadJob], Backend]
@@ -54,6 +55,11 @@ def register_engine(kind: str, factory: EngineFactory, description: str = "") ->
         description: one line saying what it does.
     """
     _ENGINES[kind] = EngineSpec(kind, factory, description)
+
+
+def unregister_engine(kind: str) -> None:
+    """Remove the engine of ``kind`` (if any)."""
+    _ENGINES.pop(kind, None)
 
 
 def engine_kinds() -> list[str]:

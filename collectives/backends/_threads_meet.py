@@ -189,14 +189,23 @@ class Meeting:
             return [q for q in range(self.size) if self._entered[q] < target]
 
         while self._gen == gen:
-            self._wait(info, req, missing)
+            self._wait(info, req, lambda: self._gen != gen, missing)
 
-    def _wait(self, info: GroupInfo, req: Request, missing: Callable[[], list[int]]) -> None:
-        """(Lock held.) One slice of a wait, then the checks: a failure, a member that left
-        without coming, the deadline."""
+    def _wait(
+        self,
+        info: GroupInfo,
+        req: Request,
+        done: Callable[[], bool],
+        missing: Callable[[], list[int]],
+    ) -> None:
+        """(Lock held.) One slice of a wait; unless ``done()`` then, the checks: a failure,
+        a member that left without coming, the deadline. (A wait that completed succeeds even
+        if a member failed right after: it may have found the next call mismatched.)"""
         left = req.deadline - time.monotonic()
         if left > 0:
             self._cond.wait(min(left, _SLICE))
+        if done():
+            return
         self._failed(info, req)
         absent = missing()
         gone = [q for q in absent if q in self._left]
@@ -246,7 +255,7 @@ class Meeting:
         box = (req.peer, me)
         with self._cond:
             while not self._mail.get(box):
-                self._wait(info, req, lambda: [] if self._mail.get(box) else [req.peer])
+                self._wait(info, req, lambda: bool(self._mail.get(box)), lambda: [req.peer])
             sig, data = self._mail[box].popleft()
         mine = np.frombuffer(record_bytes(req.signature, req.seq), dtype=np.int64)
         theirs = np.frombuffer(sig, dtype=np.int64)

@@ -38,6 +38,7 @@ from ._threads_engines import (
     engine_kinds,
     make_backend,
     register_engine,
+    unregister_engine,
 )
 from ._threads_meet import Meeting
 
@@ -49,6 +50,7 @@ __all__ = [
     "device_kind",
     "engine_kinds",
     "register_engine",
+    "unregister_engine",
 ]
 
 register_backend(
