@@ -9,17 +9,18 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from tensorlib import Device
-from tensorlib import device as tl_device
 
+from . import _rank_threads
 from ._backend import GroupInfo
 from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
 from ._errorfile import install_excepthook
 from ._exit import on_uncaught
 from ._group import NonMemberGroup, ProcessGroup
 from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
+from ._rank_threads import thread as _thread
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
 from .backends._setup_wait import SetupWatch
@@ -68,17 +69,6 @@ class _World:
 _world: _World | None = None  # the process's (every backend but threads)
 _lock = threading.RLock()
 
-
-class _RankThread(threading.local):
-    """Inside a rank thread of a threads job: which rank it is, and its own world."""
-
-    def __init__(self) -> None:
-        self.job: Any = None  # the ThreadJob whose rank this thread is (None: not a rank)
-        self.rank = -1
-        self.world: _World | None = None
-
-
-_thread = _RankThread()
 _atexit_registered = False
 # An uncaught exception is ending this process (see _on_uncaught).
 _failing = False
@@ -192,37 +182,9 @@ def init_process_group(
 
 def _init_rank_thread(backend: str | None, seconds: float) -> ProcessGroup:
     """``init_process_group`` in a rank thread of a threads job: that thread's own world."""
-    job, rank = _thread.job, _thread.rank
-    if job is None:
-        raise RuntimeError(
-            "init_process_group(backend='threads') joins a threads job from one of its rank "
-            "threads: start them with spawn(fn, nprocs=N, backend='threads') or "
-            "Parallel(backend='threads', nproc_per_node=N)"
-        )
-    if backend not in (None, "threads"):
-        raise ValueError(
-            f"init_process_group(backend={backend!r}) in rank thread {rank} of a threads job: "
-            "its ranks are threads of one process and use backend 'threads'"
-        )
-    if _thread.world is not None:
-        raise RuntimeError(
-            f"init_process_group() was already called in rank thread {rank}; call "
-            "destroy_process_group() first"
-        )
-    size = job.size
-    env = EnvConfig(rank, size, rank, size, "", 0, "threads")
-    info = GroupInfo(
-        rank=rank,
-        size=size,
-        ranks=tuple(range(size)),
-        global_rank=rank,
-        name="world",
-        store=job.store,
-        timeout=seconds,
-        local_rank=rank,
-    )
+    env, info = _rank_threads.world_info(backend, seconds)
     group = ProcessGroup(get_backend_spec("threads").factory(info))
-    world = _World(default=group, env=env, store=job.store, timeout=seconds)
+    world = _World(default=group, env=env, store=info.store, timeout=seconds)
     world.groups.append(group)
     _thread.world = world
     return group
@@ -283,9 +245,7 @@ def _current() -> _World | None:
 def bind_rank_thread(job: Any, rank: int) -> None:
     """Make the calling thread rank ``rank`` of the threads ``job`` (None: no rank any more);
     ``init_process_group()`` in it then joins that job. Used by ``spawn(backend="threads")``."""
-    _thread.job = job
-    _thread.rank = rank if job is not None else -1
-    _thread.world = None
+    _rank_threads.bind(job, rank)
 
 
 def _require() -> _World:
@@ -369,13 +329,7 @@ def _destroy_rank_thread(group: ProcessGroup | NonMemberGroup | None) -> None:
         if group in world.groups:
             world.groups.remove(group)
         return
-    try:
-        for g in reversed(world.groups):
-            g.destroy()
-    finally:
-        # Setup waits of the peers (new_group) name a rank that left the job.
-        world.store.set(f"world/left/{world.env.rank}", b"1")
-        _thread.world = None
+    _rank_threads.leave(world.groups, world.store, world.env.rank)
 
 
 def _on_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -431,18 +385,8 @@ def get_device() -> Device:
         A tensorlib :class:`~tensorlib.Device` (or the device object a threads job was given,
         e.g. a remote device).
     """
-    if _thread.job is not None:
-        return cast(Device, _thread.job.devices[_thread.rank])
     world = _current()
-    if world is None:
-        return tl_device("cpu")
-    backend = world.default.backend
-    bound = getattr(backend, "bound_device", None)
-    if bound is not None:
-        return cast(Device, bound)
-    if backend.name == "nccl":
-        return tl_device(f"cuda:{backend.device}")  # type: ignore[attr-defined]
-    return tl_device("cpu")
+    return _rank_threads.device_of(None if world is None else world.default.backend)
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:

@@ -385,20 +385,9 @@ def spawn(
             with ``join=False``), or too few GPUs.
     """
     _check_arguments(fn, nprocs, start_method, join, max_restarts)
-    if backend == "threads":
-        if not join:
-            raise ValueError("spawn(backend='threads') needs join=True (its ranks are threads)")
-        from .backends._threads_run import spawn_threads
-
-        return spawn_threads(
-            fn, tuple(args), nprocs, devices, init, float(timeout), grace_period, max_restarts
-        )
-    if devices is not None:
-        raise ValueError(
-            f"spawn: devices= binds rank threads to devices and needs backend='threads'; "
-            f"backend={backend!r} starts processes, which get one GPU each from "
-            "CUDA_VISIBLE_DEVICES"
-        )
+    if backend == "threads" or devices is not None:
+        t, g = float(timeout), grace_period
+        return _in_threads(fn, args, nprocs, backend, devices, init, t, join, g, max_restarts)
     # Typed as Any: typeshed gives a context chosen by name no Process attribute.
     ctx: Any = multiprocessing.get_context(start_method)
     gpus = None if start_method == "fork" else gpu_assignment(nprocs, os.environ)
@@ -436,6 +425,32 @@ def spawn(
     if not join:
         return start(0)
     return _join_with_restarts(start, max_restarts)
+
+
+def _in_threads(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    backend: str | None,
+    devices: Sequence[Any] | None,
+    init: bool,
+    timeout: float,
+    join: bool,
+    grace_period: float,
+    max_restarts: int,
+) -> list[Any]:
+    """``spawn`` with rank threads (``backend="threads"``, see ``backends/_threads_run``)."""
+    if backend != "threads":
+        raise ValueError(
+            f"spawn: devices= binds rank threads to devices and needs backend='threads'; "
+            f"backend={backend!r} starts processes, which get one GPU each from "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    if not join:
+        raise ValueError("spawn(backend='threads') needs join=True (its ranks are threads)")
+    from .backends._threads_run import spawn_threads
+
+    return spawn_threads(fn, args, nprocs, devices, init, timeout, grace_period, max_restarts)
 
 
 def _check_arguments(
