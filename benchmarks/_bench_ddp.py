@@ -346,6 +346,13 @@ def tl_worker(rank: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     return out if rank == 0 else None
 
 
+def threads_job(rank: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """In a fresh process (one BLAS thread, set before NumPy loaded): the tensorlib run with
+    its two ranks as threads of that process (the threads backend); rank 0's result."""
+    got = collectives.spawn(tl_worker, args=(cfg_dict,), nprocs=2, backend="threads")
+    return got[0] if got else None
+
+
 def torch_worker(rank: int, cfg_dict: dict[str, Any], buckets: list[int]) -> Any:
     """One rank of the torch run (spawned without our group; torch reads the same env)."""
     cfg = Config(**cfg_dict)

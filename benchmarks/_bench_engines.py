@@ -1,7 +1,8 @@
 """allreduce-bench's engines: one rank's view of each communication library it can time.
 
 Ours: cpu, cpu-zc (group.alloc buffers), nccl, mpi (blocking engine), mpi-nb (its
-non-blocking engine). Peers: gloo (torch.distributed), mpi4py (raw calls on COMM_WORLD).
+non-blocking engine), threads (rank threads of one process, the threads backend). Peers:
+gloo (torch.distributed), mpi4py (raw calls on COMM_WORLD).
 Each engine maps the five collectives onto its own library's calls; ``availability`` says
 whether one can run on this machine at all.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-ENGINES = ("cpu", "cpu-zc", "nccl", "mpi", "mpi-nb", "gloo", "mpi4py")
+ENGINES = ("cpu", "cpu-zc", "nccl", "mpi", "mpi-nb", "threads", "gloo", "mpi4py")
 MPIEXEC_ENGINES = ("mpi", "mpi-nb", "mpi4py")  # their ranks are started by mpiexec
 
 
@@ -56,7 +57,7 @@ class Engine:
 
 
 class Ours(Engine):
-    """This project's collectives (cpu, cpu with group.alloc buffers, nccl, mpi)."""
+    """This project's collectives (cpu, cpu with group.alloc buffers, nccl, mpi, threads)."""
 
     def __init__(self, backend: str, zero_copy: bool, device: str) -> None:
         import collectives as C
@@ -193,6 +194,8 @@ def make_engine(engine: str, device: str) -> Engine:
         return Ours("nccl", zero_copy=False, device="cuda")
     if engine in ("mpi", "mpi-nb"):
         return Ours("mpi", zero_copy=False, device=device)  # DPT_MPI_ENGINE set by launch()
+    if engine == "threads":
+        return Ours("threads", zero_copy=False, device=device)  # in a rank thread
     if engine == "gloo":
         return Gloo()
     return Mpi()

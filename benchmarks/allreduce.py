@@ -4,6 +4,7 @@
     allreduce-bench --nproc 2 --zero-copy --op all_gather --json out.json --plot out.png
     python -m collectives.run --nproc 4 -m benchmarks.allreduce -b 1M -e 1G   # inside ranks
     allreduce-bench --nproc 2 --backend mpi --compare cpu,mpi-nb,mpi4py        # via mpiexec
+    allreduce-bench --nproc 2 --backend threads --compare cpu -b 64K -e 64M    # rank threads
     mpirun -n 4 allreduce-bench --backend mpi                                  # inside ranks
 
 Without ``--nproc`` inside ranks started by ``collectives.run``, torchrun, SLURM or mpirun
@@ -61,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="start this many ranks here (default 2, or the launcher's ranks when started by one)",
     )
-    p.add_argument("--backend", choices=("cpu", "nccl", "mpi", "auto"), default="auto")
+    p.add_argument("--backend", choices=("cpu", "nccl", "mpi", "threads", "auto"), default="auto")
     p.add_argument("--op", choices=OPS, default="all_reduce")
     p.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10)
     p.add_argument("-e", "--max-bytes", type=parse_size, default=256 << 20)
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         validate(args)
-        if args.worker:  # one rank started by launch()
-            res = worker(args.worker, args)
+        if args.worker:  # one rank started by launch() (threads: one process, N rank threads)
+            res = threads_worker(args) if args.worker == "threads" else worker(args.worker, args)
             if res["rank"] == 0 and args.out:
                 Path(args.out).write_text(json.dumps(res))
             return 0
@@ -170,6 +171,22 @@ def coordinate(args: argparse.Namespace) -> int:
                     raise UsageError(f"{eng} failed: {why}")
                 skipped[eng] = why.strip().splitlines()[-1] if why.strip() else why
     return report(results, skipped, ours, args, n, rounding_notes(args, n, itemsize))
+
+
+def threads_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """``--nproc`` rank threads of this process (the threads backend) run the sweep; rank 0's
+    result."""
+    import collectives as C
+
+    got = C.spawn(
+        lambda rank: worker("threads", args),
+        nprocs=args.nproc or 2,
+        backend="threads",
+        init=False,  # the engine joins, as the process engines do
+        timeout=600,
+    )
+    assert got is not None
+    return dict(got[0])
 
 
 def in_ranks() -> bool:
@@ -221,6 +238,8 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
     argv = _worker_argv(engine, args, out)
     if engine in MPIEXEC_ENGINES:
         return _launch_mpiexec(engine, args.nproc, argv, env)
+    if engine == "threads":  # one process, its threads the ranks
+        return _launch_local(engine, 1, [*argv, "--nproc", str(args.nproc)], env, tmp)
     return _launch_local(engine, args.nproc, argv, env, tmp)
 
 

@@ -4,6 +4,7 @@
     python -m benchmarks.ddp_scaling --json ddp.json
     python -m benchmarks.ddp_scaling --width 2048 --depth 4 --batch 16 --bucket-cap-mb 8
     .venv-bench/bin/python -m benchmarks.ddp_scaling       # + torch DDP (gloo), same shapes
+    python -m benchmarks.ddp_scaling --threads             # + the 2 ranks as threads
 
 Weak scaling at equal per-rank batch: a step is forward, cross-entropy, backward (which, under
 DDP, returns once every gradient is averaged) and SGD with momentum. Two ranks are started
@@ -29,7 +30,9 @@ still waited for, and the scaling efficiency (1-rank step / 2-rank step) against
 DDP's part (DDP / no comm).
 
 With torch importable (``.venv-bench``), the same protocol runs again with torch eager and
-torch DDP over gloo on the same shapes, and the two are shown side by side.
+torch DDP over gloo on the same shapes, and the two are shown side by side. With
+``--threads`` it runs once more with the two ranks as threads of one fresh process (the
+threads backend, same model and protocol) and prints the two kinds of ranks side by side.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import collectives
-from benchmarks._bench_ddp import THREAD_VARS, Config, tl_worker, torch_worker
+from benchmarks._bench_ddp import THREAD_VARS, Config, threads_job, tl_worker, torch_worker
 from benchmarks._bench_math import human
 
 TARGET = 1.10  # the 2-rank step may take at most this multiple of the 1-rank step
@@ -199,6 +202,23 @@ def _print_torch(theirs: dict[str, Any], t2: float) -> dict[str, Any]:
     }
 
 
+def print_threads(ours: dict[str, Any], threads: dict[str, Any]) -> dict[str, Any]:
+    """The 2-rank rows of processes (cpu backend) and rank threads side by side."""
+    print("\n2 ranks as processes (cpu backend) vs as threads of one process (threads backend)")
+    head = f"{'':<24}{'fwd ms':>8} {'bwd ms':>8} {'wait ms':>8} {'opt ms':>8} {'step ms':>8}"
+    print(head)
+    for label, rows in (("processes", ours["rows"]), ("threads", threads["rows"])):
+        print(_fmt_row(f"{label}, DDP", rows["ddp2"]))
+        print(_fmt_row(f"{label}, no comm", rows["indep2"]))
+    print(
+        f"{'all-reduce alone':<24}processes {ours['allreduce_alone_ms']:.2f} ms, threads "
+        f"{threads['allreduce_alone_ms']:.2f} ms"
+    )
+    tp, tt = ours["rows"]["ddp2"]["step"], threads["rows"]["ddp2"]["step"]
+    print(f"2-rank DDP step, threads / processes: {tt / tp:.2f}x")
+    return {"rows_ms": threads["rows"], "allreduce_alone_ms": threads["allreduce_alone_ms"]}
+
+
 def torch_version() -> str:
     try:
         import torch
@@ -228,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         "the GIL back from the training thread (Python's default is 0.005)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch DDP comparison")
+    p.add_argument(
+        "--threads", action="store_true", help="also run the 2 ranks as threads (threads backend)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args(argv)
     # The options named like Config's fields are its values; the rest keep their defaults.
@@ -251,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         theirs = out[0] if out else None
     summary = report(cfg, ours, theirs, why)
+    if a.threads:
+        print("running tensorlib + ddp (2 rank threads) ...", file=sys.stderr, flush=True)
+        # One fresh process (one BLAS thread, like the ranks above) whose threads are the ranks.
+        got = collectives.spawn(threads_job, args=(asdict(cfg),), nprocs=1, backend="serial")
+        assert got is not None and got[0] is not None
+        summary["threads"] = print_threads(ours, got[0])
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=2))
         print(f"wrote {a.json}")

@@ -1,7 +1,8 @@
 """collectives: process groups, async Work handles, rendezvous and backends.
 
-Backends: ``serial`` (world size 1), ``cpu`` (shared memory on one host); ``nccl`` and
-``mpi`` plug into the same registry. See docs/collectives.md.
+Backends: ``serial`` (world size 1), ``cpu`` (shared memory on one host), ``threads`` (rank
+threads of one process, one device each); ``nccl`` and ``mpi`` plug into the same registry.
+See docs/collectives.md.
 """
 
 from . import backends  # noqa: F401  (registers the built-in backends)
@@ -17,6 +18,7 @@ from ._api import (
     destroy_process_group,
     get_backend,
     get_default_group,
+    get_device,
     get_local_rank,
     get_local_world_size,
     get_rank,
@@ -74,6 +76,7 @@ __all__ = [
     "destroy_process_group",
     "get_backend",
     "get_default_group",
+    "get_device",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",

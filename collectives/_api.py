@@ -11,12 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorlib import Device
+
+from . import _rank_threads
 from ._backend import GroupInfo
 from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
 from ._errorfile import install_excepthook
 from ._exit import on_uncaught
 from ._group import NonMemberGroup, ProcessGroup
 from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
+from ._rank_threads import thread as _thread
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
 from .backends._setup_wait import SetupWatch
@@ -33,6 +37,7 @@ __all__ = [
     "destroy_process_group",
     "get_backend",
     "get_default_group",
+    "get_device",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -61,8 +66,9 @@ class _World:
     peers: Peers = field(default_factory=dict)  # every rank's (pid, host), from the store
 
 
-_world: _World | None = None
+_world: _World | None = None  # the process's (every backend but threads)
 _lock = threading.RLock()
+
 _atexit_registered = False
 # An uncaught exception is ending this process (see _on_uncaught).
 _failing = False
@@ -118,6 +124,8 @@ def init_process_group(
         ValueError: for missing or inconsistent configuration (the error names the variable).
     """
     global _world, _atexit_registered
+    if _thread.job is not None or backend == "threads":
+        return _init_rank_thread(backend, seconds=_seconds(timeout))
     with _lock:
         if _world is not None:
             raise RuntimeError(
@@ -172,6 +180,16 @@ def init_process_group(
         return group
 
 
+def _init_rank_thread(backend: str | None, seconds: float) -> ProcessGroup:
+    """``init_process_group`` in a rank thread of a threads job: that thread's own world."""
+    env, info = _rank_threads.world_info(backend, seconds)
+    group = ProcessGroup(get_backend_spec("threads").factory(info))
+    world = _World(default=group, env=env, store=info.store, timeout=seconds)
+    world.groups.append(group)
+    _thread.world = world
+    return group
+
+
 def _started_by_mpiexec() -> bool:
     """Several ranks that an MPI launcher started, with no store address, and mpi4py here:
     ``init_process_group()`` then means the mpi backend (as under Horovod)."""
@@ -216,11 +234,32 @@ def _world_from_backend(
     )
 
 
-def _require() -> _World:
-    if _world is None:
-        _implicit_serial()
-    assert _world is not None
+def _current() -> _World | None:
+    """The world of the calling thread: a rank thread's own, else the process's (a thread of
+    a threads job that is not a rank sees the process's, usually none)."""
+    if _thread.job is not None:
+        return _thread.world
     return _world
+
+
+def bind_rank_thread(job: Any, rank: int) -> None:
+    """Make the calling thread rank ``rank`` of the threads ``job`` (None: no rank any more);
+    ``init_process_group()`` in it then joins that job. Used by ``spawn(backend="threads")``."""
+    _rank_threads.bind(job, rank)
+
+
+def _require() -> _World:
+    world = _current()
+    if world is None:
+        if _thread.job is not None:
+            raise RuntimeError(
+                f"rank thread {_thread.rank} of a threads job used collectives before calling "
+                "init_process_group() (spawn(..., init=False) leaves that to the function)"
+            )
+        _implicit_serial()
+        world = _world
+    assert world is not None
+    return world
 
 
 def _implicit_serial() -> None:
@@ -241,8 +280,9 @@ def _implicit_serial() -> None:
 
 
 def is_initialized() -> bool:
-    """True after ``init_process_group`` (or an implicit world-size-1 start)."""
-    return _world is not None
+    """True after ``init_process_group`` (or an implicit world-size-1 start); in a rank
+    thread of a threads job, whether that rank joined."""
+    return _current() is not None
 
 
 def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) -> None:
@@ -251,6 +291,9 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
     Every rank may pass what ``new_group`` returned to it (a no-op on non-members).
     """
     global _world
+    if _thread.job is not None:
+        _destroy_rank_thread(group)
+        return
     with _lock:
         if _world is None:
             return
@@ -277,6 +320,18 @@ def destroy_process_group(group: ProcessGroup | NonMemberGroup | None = None) ->
         _world = None
 
 
+def _destroy_rank_thread(group: ProcessGroup | NonMemberGroup | None) -> None:
+    world = _thread.world
+    if world is None:
+        return
+    if group is not None and group is not world.default:
+        group.destroy()
+        if group in world.groups:
+            world.groups.remove(group)
+        return
+    _rank_threads.leave(world.groups, world.store, world.env.rank)
+
+
 def _on_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
     # The process is ending: every store call from here on (the backends' "tell the peers",
     # then atexit's destroy) gets the short leaving deadline.
@@ -298,26 +353,40 @@ def _group(group: ProcessGroup | NonMemberGroup | None) -> Any:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank (in ``group``; 0 when nothing was initialized)."""
-    if group is None and _world is None:
+    if group is None and _current() is None:
         return 0
     return int(_group(group).rank)
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks (in ``group``; 1 when nothing was initialized)."""
-    if group is None and _world is None:
+    if group is None and _current() is None:
         return 1
     return int(_group(group).size)
 
 
 def get_local_rank() -> int:
     """This process's rank on its host (LOCAL_RANK; 0 when nothing was initialized)."""
-    return 0 if _world is None else _world.env.local_rank
+    world = _current()
+    return 0 if world is None else world.env.local_rank
 
 
 def get_local_world_size() -> int:
     """Number of ranks on this host (LOCAL_WORLD_SIZE; 1 when nothing was initialized)."""
-    return 1 if _world is None else _world.env.local_world_size
+    world = _current()
+    return 1 if world is None else world.env.local_world_size
+
+
+def get_device() -> Device:
+    """This rank's device: the device a threads rank is bound to, ``cuda:N`` under nccl (the
+    GPU its group communicates on, ``LOCAL_RANK`` modulo the visible GPUs), else the CPU.
+
+    Returns:
+        A tensorlib :class:`~tensorlib.Device` (or the device object a threads job was given,
+        e.g. a remote device).
+    """
+    world = _current()
+    return _rank_threads.device_of(None if world is None else world.default.backend)
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
@@ -367,6 +436,11 @@ def new_group(
     bname = backend or ("serial" if len(members) == 1 else default_backend)
     if bname == "serial" and len(members) > 1:
         bname = "cpu"
+    if world.env.source == "threads" and bname not in ("threads", "serial"):
+        raise ValueError(
+            f"new_group(backend={bname!r}) in a threads job: its ranks are threads of one "
+            "process, so its groups use backend 'threads' (pass backend=None)"
+        )
     spec = get_backend_spec(bname)
     if world.store is None and size > 1 and len(members) > 1 and spec.world is None:
         raise ValueError(
@@ -423,11 +497,12 @@ def show_config() -> str:
         reason = spec.probe()
         state = "available" if reason is None else f"unavailable: {reason}"
         lines.append(f"  {name:7s} {state}. {spec.description}")
-    if _world is not None:
-        d = _world.default
+    world = _current()
+    if world is not None:
+        d = world.default
         lines.append(
             f"initialized: backend={d.backend_name} rank={d.rank} world_size={d.size} "
-            f"local_rank={_world.env.local_rank} (from {_world.env.source})"
+            f"local_rank={world.env.local_rank} (from {world.env.source})"
         )
     else:
         lines.append("not initialized")

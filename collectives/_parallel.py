@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -21,7 +21,8 @@ class Parallel:
     Three modes, chosen at ``__enter__``:
 
     - ``nproc_per_node=N``: :meth:`run` spawns N ranks on this host (via :func:`spawn`), each
-      with the group initialized, and calls ``fn(local_rank, *args, **kwargs)`` in each.
+      with the group initialized, and calls ``fn(local_rank, *args, **kwargs)`` in each; with
+      ``backend="threads"`` the ranks are threads of this process, bound to ``devices``.
     - ``nproc_per_node=None`` inside a launched rank (RANK and WORLD_SIZE set, e.g. under
       ``python -m collectives.run``; or one of several ranks ``mpiexec`` started, for
       ``backend="mpi"``): the group is initialized in this process and :meth:`run`
@@ -44,6 +45,7 @@ class Parallel:
         start_method: str = "spawn",
         grace_period: float = DEFAULT_GRACE_PERIOD,
         max_restarts: int = 0,
+        devices: Sequence[Any] | None = None,
     ) -> None:
         """Describe the job; nothing starts before ``__enter__``/:meth:`run`.
 
@@ -57,9 +59,12 @@ class Parallel:
             max_restarts: when spawning, start the whole job again up to this many times
                 after a failed attempt (``spawn(max_restarts=...)``); a launched job restarts
                 through its launcher (``collectives.run --max-restarts``) instead.
+            devices: with ``backend="threads"``: one device per rank thread (see
+                :func:`spawn`); None puts every rank on the CPU.
 
         Raises:
-            ValueError: when ``nproc_per_node`` is not a positive int.
+            ValueError: when ``nproc_per_node`` is not a positive int, or ``threads`` is
+                asked for without ``nproc_per_node`` (its ranks are threads it starts).
         """
         if nproc_per_node is not None and (
             isinstance(nproc_per_node, bool)
@@ -69,7 +74,15 @@ class Parallel:
             raise ValueError(
                 f"Parallel: nproc_per_node must be a positive int or None, got {nproc_per_node!r}"
             )
+        if backend == "threads" and nproc_per_node is None:
+            nproc_per_node = len(devices) if devices is not None else None
+            if nproc_per_node is None:
+                raise ValueError(
+                    "Parallel(backend='threads') starts its ranks as threads: give "
+                    "nproc_per_node=N (or devices=[...], one per rank)"
+                )
         self.backend = backend
+        self.devices = devices
         self.nproc_per_node = nproc_per_node
         self.timeout = timeout
         self.master_port = master_port
@@ -137,6 +150,7 @@ class Parallel:
                 master_port=self.master_port,
                 grace_period=self.grace_period,
                 max_restarts=self.max_restarts,
+                devices=self.devices,
             )
         from . import _api
 

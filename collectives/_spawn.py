@@ -304,6 +304,7 @@ def spawn(
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     max_restarts: int = 0,
+    devices: Sequence[Any] | None = None,
 ) -> list[Any] | None: ...
 
 
@@ -321,6 +322,7 @@ def spawn(
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     max_restarts: Literal[0] = 0,
+    devices: Sequence[Any] | None = None,
 ) -> SpawnContext: ...
 
 
@@ -337,8 +339,10 @@ def spawn(
     master_port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     max_restarts: int = 0,
+    devices: Sequence[Any] | None = None,
 ) -> list[Any] | SpawnContext | None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` new processes on this host, one rank each.
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes on this host, one rank each (or,
+    with ``backend="threads"``, in ``nprocs`` threads of this process, one device each).
 
     Each process gets the environment ``python -m collectives.run`` would give it (RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT, one GPU
@@ -362,11 +366,16 @@ def spawn(
         max_restarts: after a failed attempt, print its failure to stderr and start every
             rank again, up to this many times (``join=True`` only). Attempt k's ranks see
             ``DPT_RESTART_COUNT=k`` and ``TORCHELASTIC_RESTART_COUNT=k``.
+        devices: with ``backend="threads"`` only: one device per rank (``"cpu"``,
+            ``"cuda:N"``, a tensorlib Device, or a device of a package that registered a
+            threads engine, e.g. remote devices); None puts every rank on the CPU. Each rank
+            thread is bound to its device (``collectives.get_device()``).
 
     Returns:
         With ``join=True``: the list of per-rank return values, in rank order, when every value
         is JSON-serializable (they travel home as JSON, so tuples come back as lists and dict
-        keys as strings); None when any is not. With ``join=False``: a :class:`SpawnContext`.
+        keys as strings); None when any is not. With ``backend="threads"``: the return values
+        as they are (no JSON). With ``join=False``: a :class:`SpawnContext`.
 
     Raises:
         SpawnError: when a rank fails (in the last attempt); the other ranks are ended first.
@@ -376,6 +385,9 @@ def spawn(
             with ``join=False``), or too few GPUs.
     """
     _check_arguments(fn, nprocs, start_method, join, max_restarts)
+    if backend == "threads" or devices is not None:
+        t, g = float(timeout), grace_period
+        return _in_threads(fn, args, nprocs, backend, devices, init, t, join, g, max_restarts)
     # Typed as Any: typeshed gives a context chosen by name no Process attribute.
     ctx: Any = multiprocessing.get_context(start_method)
     gpus = None if start_method == "fork" else gpu_assignment(nprocs, os.environ)
@@ -413,6 +425,32 @@ def spawn(
     if not join:
         return start(0)
     return _join_with_restarts(start, max_restarts)
+
+
+def _in_threads(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    backend: str | None,
+    devices: Sequence[Any] | None,
+    init: bool,
+    timeout: float,
+    join: bool,
+    grace_period: float,
+    max_restarts: int,
+) -> list[Any]:
+    """``spawn`` with rank threads (``backend="threads"``, see ``backends/_threads_run``)."""
+    if backend != "threads":
+        raise ValueError(
+            f"spawn: devices= binds rank threads to devices and needs backend='threads'; "
+            f"backend={backend!r} starts processes, which get one GPU each from "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    if not join:
+        raise ValueError("spawn(backend='threads') needs join=True (its ranks are threads)")
+    from .backends._threads_run import spawn_threads
+
+    return spawn_threads(fn, args, nprocs, devices, init, timeout, grace_period, max_restarts)
 
 
 def _check_arguments(

@@ -5,6 +5,10 @@ The same script runs in every configuration:
     # 2 CPU ranks that the script starts itself (collectives.Parallel -> spawn):
     python examples/train_ddp.py --nproc 2
 
+    # 2 ranks as threads of this one process (the threads backend; with --device cuda one
+    # GPU per thread, on NCCL communicators made in this process):
+    python examples/train_ddp.py --threads 2
+
     # 2 CPU ranks started by the launcher (torchrun-compatible environment):
     python -m collectives.run --nproc-per-node 2 examples/train_ddp.py
 
@@ -45,6 +49,9 @@ attempt (``DPT_RESTART_COUNT`` or ``TORCHELASTIC_RESTART_COUNT`` above 0) resume
 the run starts fresh and at once writes its step-0 checkpoint to ``--checkpoint``, so a later
 restart of this run never picks up a stale file an older run left there. At another world size
 the random generators are not restored (a warning says so) and the dropout masks are reseeded.
+Under ``--threads`` the ranks share this process's random generator, so dropout masks (and a
+resume's generator state) are not reproducible from run to run; the weights still agree on
+every rank (DDP).
 
 The digits (1,797 images, 10 classes) ship inside scikit-learn (BSD licence; a copy of the UCI
 ML hand-written digits data), so nothing is downloaded.
@@ -167,7 +174,9 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     """One rank's training loop; every rank runs it, rank 0 reports. Returns a JSON summary."""
     rank, world = collectives.get_rank(), collectives.get_world_size()
     master = rank == 0  # rank 0 prints, shows the bar and writes the checkpoint
-    device = rank_device(cfg.device, local_rank)
+    # A rank thread (--threads) is bound to its device; a process takes its GPU by local rank.
+    threads = collectives.get_backend() == "threads"
+    device = str(collectives.get_device()) if threads else rank_device(cfg.device, local_rank)
     if cfg.batch_size % world:
         raise SystemExit(
             f"--batch-size {cfg.batch_size} is the global batch; it must be divisible by the "
@@ -273,7 +282,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
-    """The command line as a :class:`Config`, the ``--nproc`` and ``--max-restarts`` values."""
+    """The command line as a :class:`Config`, the ranks to start (``--nproc`` or
+    ``--threads``) and ``--max-restarts``."""
     d = Config()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -281,6 +291,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
         type=int,
         default=None,
         help="start this many ranks on this host (omit under a launcher, or for one process)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N ranks as threads of this process (the threads backend; --device cuda: one "
+        "GPU per thread)",
     )
     p.add_argument(
         "--backend",
@@ -314,6 +332,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
+    if a.threads is not None:
+        if a.nproc is not None:
+            p.error("--threads N starts N rank threads; leave --nproc out")
+        if a.threads < 1:
+            p.error(f"--threads must be >= 1, got {a.threads}")
+        if a.backend not in (None, "threads"):
+            p.error(f"--threads runs on the threads backend, not --backend {a.backend}")
+        a.nproc, a.backend = a.threads, "threads"
     if a.nproc is not None and a.nproc < 1:
         p.error(f"--nproc must be >= 1, got {a.nproc}")
     if a.checkpoint_every < 0:
@@ -325,10 +351,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
             "--max-restarts restarts the ranks --nproc starts; under a launcher pass it to "
             "the launcher (python -m collectives.run --max-restarts N ...)"
         )
+    flag = "--threads" if a.threads is not None else "--nproc"
     if a.nproc is not None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        p.error("--nproc starts ranks itself; under a launcher leave it out")
+        p.error(f"{flag} starts ranks itself; under a launcher leave it out")
     if a.nproc is not None and a.batch_size % a.nproc:
-        p.error(f"--batch-size {a.batch_size} (global) must be divisible by --nproc {a.nproc}")
+        p.error(f"--batch-size {a.batch_size} (global) must be divisible by {flag} {a.nproc}")
     cfg = Config(
         epochs=a.epochs,
         batch_size=a.batch_size,
@@ -354,8 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     # Parallel picks the mode: spawn nproc ranks; join the launcher's group (RANK/WORLD_SIZE
     # set); or world size 1 in this process. Spawned ranks run train() and report home as JSON.
     # With --max-restarts a failed attempt starts every rank again; they resume (see above).
+    devices = None
+    if cfg.backend == "threads" and cfg.device.startswith("cuda") and nproc is not None:
+        count = tl.cuda_device_count()  # one GPU per rank thread (round robin)
+        devices = [
+            cfg.device if cfg.device != "cuda" else f"cuda:{r % count}" for r in range(nproc)
+        ]
     parallel_job = collectives.Parallel(
-        backend=cfg.backend, nproc_per_node=nproc, max_restarts=max_restarts
+        backend=cfg.backend, nproc_per_node=nproc, max_restarts=max_restarts, devices=devices
     )
     with parallel_job as parallel:
         parallel.run(train, cfg)

@@ -2,8 +2,10 @@
 
 One test body per collective (in ``bodies.py``) runs on every pool: backend ``serial`` (world
 size 1), ``cpu`` at world sizes 1-4, ``cpu`` pools with 4 KiB chunks that force the chunked
-and multi-chunk point-to-point paths at small sizes, and ``mpi`` at world sizes 1-4 under
-``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check).
+and multi-chunk point-to-point paths at small sizes, ``mpi`` at world sizes 1-4 under
+``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check), and
+``threads`` at world sizes 1-4 (rank threads of this process, through ``spawn``:
+``threads_pool.py``).
 Bodies check their own result on every rank and raise with the details; a failing rank fails
 the test with every rank's traceback (see ``harness``). Every test has a hard time limit.
 """
@@ -19,6 +21,7 @@ from tests.collectives import expect
 from tests.collectives.expect import BLOCKS, DTYPE_OPS, NUMERIC
 from tests.collectives.harness import PoolCache, PoolSpec, RankPool
 from tests.collectives.harness.mpipool import mpi_unavailable_reason
+from tests.collectives.threads_pool import ThreadsPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,12 +36,14 @@ MPI_VARIANTS = [
     PoolSpec("mpi", 3, (("DPT_MPI_CHECK", "0"),), tag="nocheck"),
     PoolSpec("mpi", 4, (("DPT_MPI_P2P_CHECK_MAX", "2"),), tag="gathercheck"),  # Iallgather
 ]
-ALL = [SERIAL, *CPU, *CHUNKED, *MPI, *MPI_VARIANTS]
-DEFAULT_CHUNKS = [SERIAL, *CPU, *MPI]
+THREADS = [PoolSpec("threads", n) for n in (1, 2, 3, 4)]  # threads_pool.py: spawn per call
+ALL = [SERIAL, *CPU, *CHUNKED, *MPI, *MPI_VARIANTS, *THREADS]
+DEFAULT_CHUNKS = [SERIAL, *CPU, *MPI, *THREADS]
+PROCESSES = [s for s in ALL if s.backend != "threads"]
 MULTI = [s for s in ALL if s.world_size > 1]
 
 
-def sizes_for(pool: RankPool) -> list[int]:
+def sizes_for(pool: RankPool | ThreadsPool) -> list[int]:
     """Odd sizes: empty, one, fewer than the ranks... and over the 64 KiB small-message limit
     (several 4 KiB chunks on the chunked pools, with a 1-element last chunk at 4097)."""
     return [0, 1, 7, 4097, 20_011 if pool.tag == "4k" else 70_001]
@@ -49,15 +54,17 @@ def params(specs: list[PoolSpec]) -> Any:
 
 
 @pytest.fixture
-def pool(request: pytest.FixtureRequest, pool_cache: PoolCache) -> RankPool:
+def pool(request: pytest.FixtureRequest, pool_cache: PoolCache) -> Any:
     spec: PoolSpec = request.param
+    if spec.backend == "threads":
+        return ThreadsPool(spec.world_size, timeout=spec.timeout, tag=spec.tag)
     if spec.backend == "mpi" and (reason := mpi_unavailable_reason()) is not None:
         pytest.skip(f"backend mpi: {reason}")
     return pool_cache.get(spec)
 
 
 # ---------------------------------------------------------------------------- identity
-@params(ALL)
+@params(PROCESSES)  # threads: test_threads_backend.py (one process, so one pid)
 def test_ranks_and_backend(pool: RankPool) -> None:
     got = pool.run("bodies:whoami")
     assert [g["rank"] for g in got] == list(range(pool.world_size))
@@ -176,7 +183,7 @@ def test_object_not_json_raises_type_error(pool: RankPool) -> None:
     expect.objects_not_json(pool)
 
 
-@params([SERIAL, *CPU])
+@params([SERIAL, *CPU, *THREADS])
 def test_broadcast_object_not_json_fails_every_rank(pool: RankPool) -> None:
     expect.broadcast_object_not_json(pool, pool.world_size - 1, deadline=30)
 
@@ -187,12 +194,12 @@ def test_broadcast_object_not_json_fails_every_rank(pool: RankPool) -> None:
     [([0, 2], 2), ([2, 0], 0), ([1], 1), ([3, 1, 2], 1), ([0, 1, 2, 3], 3)],
     ids=["0-2", "2-0", "1", "3-1-2", "all"],
 )
-@params([PoolSpec("cpu", 4), PoolSpec("mpi", 4)])
+@params([PoolSpec("cpu", 4), PoolSpec("mpi", 4), PoolSpec("threads", 4)])
 def test_subgroup(pool: RankPool, seed: int, members: list[int], src: int) -> None:
     expect.subgroups(pool, seed, members, src)
 
 
-@params([PoolSpec("cpu", 3), PoolSpec("mpi", 3)])
+@params([PoolSpec("cpu", 3), PoolSpec("mpi", 3), PoolSpec("threads", 3)])
 def test_subgroup_root_outside_group(pool: RankPool) -> None:
     got = pool.run("bodies:subgroup_bad_root", {"members": [0, 1], "outsider": 2})
     for rank in (0, 1):
@@ -213,7 +220,16 @@ def test_alloc_buckets_async(pool: RankPool, seed: int) -> None:
 
 
 # ---------------------------------------------------------------------------- async
-@params([PoolSpec("cpu", 2), PoolSpec("cpu", 4), PoolSpec("mpi", 2), *MPI_VARIANTS[:1]])
+@params(
+    [
+        PoolSpec("cpu", 2),
+        PoolSpec("cpu", 4),
+        PoolSpec("mpi", 2),
+        *MPI_VARIANTS[:1],
+        PoolSpec("threads", 2),
+        PoolSpec("threads", 4),
+    ]
+)
 def test_work_wait_timeout_leaves_collective_running(pool: RankPool, tmp_path: Path) -> None:
     expect.work_wait_timeout(pool, str(tmp_path))
 

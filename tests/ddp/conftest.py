@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.collectives.harness import RankPool, leaked_segments
+from tests.collectives.threads_pool import ThreadsPool
 
 WORLDS = [("serial", 1), ("cpu", 2), ("cpu", 3), ("cpu", 4)]
 MULTI = [w for w in WORLDS if w[1] > 1]
@@ -47,6 +48,12 @@ def world(request: pytest.FixtureRequest, pools: Pools) -> RankPool:
 @pytest.fixture(params=MULTI, ids=lambda w: f"{w[0]}{w[1]}")
 def multi(request: pytest.FixtureRequest, pools: Pools) -> RankPool:
     return pools(*request.param)
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: f"threads{n}")
+def threads_world(request: pytest.FixtureRequest) -> ThreadsPool:
+    """N rank threads of this process (``spawn(backend="threads")`` per call), on the CPU."""
+    return ThreadsPool(int(request.param), timeout=20.0, tag="ddp")
 
 
 @pytest.fixture

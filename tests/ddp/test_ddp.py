@@ -1,7 +1,8 @@
 """DistributedDataParallel correctness, on real rank processes (cpu backend) and world size 1.
 
 The defining property: N ranks with per-rank batch B end with the same parameters as one
-process with batch N*B over the same samples. The bodies (tests/ddp/ddp_bodies.py) run in the
+process with batch N*B over the same samples (also with the N ranks as threads of one process,
+``backend="threads"``). The bodies (tests/ddp/ddp_bodies.py) run in the
 long-lived rank processes of the collectives test harness (one pool per world size, reused by
 every test), train with DDP and, in the same process, the single-process reference, and return
 differences, digests and what DDP reported; these tests assert on them. World size 1 runs the
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.collectives.harness import REPO_ROOT, RankPool
+from tests.collectives.threads_pool import ThreadsPool
 from tests.ddp.conftest import Pools
 from tests.helpers import run_to_end
 
@@ -28,7 +30,7 @@ BODIES = "tests.ddp.ddp_bodies"
 DEADLINE = 60.0
 
 
-def run(pool: RankPool, body: str, **kwargs: Any) -> list[Any]:
+def run(pool: RankPool | ThreadsPool, body: str, **kwargs: Any) -> list[Any]:
     """Run ``body`` on every rank; one result per rank (rank order)."""
     return pool.run(f"{BODIES}:{body}", kwargs, deadline=DEADLINE)
 
@@ -59,7 +61,9 @@ def check_case(label: str, case: dict[str, Any], got: dict[str, Any]) -> None:
     )
 
 
-def equivalence(pool: RankPool, seed: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def equivalence(
+    pool: RankPool | ThreadsPool, seed: int, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Run ``cases``; check every rank against the reference and the ranks against each other.
 
     Returns rank 0's summaries (for case-specific assertions)."""
@@ -94,6 +98,20 @@ def test_sgd_and_adam_match_one_process_on_the_global_batch(world: RankPool, see
         },
     ]
     equivalence(world, seed, cases)
+
+
+def test_rank_threads_match_one_process_on_the_global_batch(
+    threads_world: ThreadsPool, seed: int
+) -> None:
+    """N rank threads (threads backend, NumPy engine), unchanged DDP: float64 to 1e-12."""
+    tiny = {"bucket_cap_mb": 1e-6, "first_bucket_mb": 1e-6}
+    cases: list[dict[str, Any]] = [
+        {"opt": "sgd", "dtype": "float64", "steps": 4},
+        {"opt": "adam", "dtype": "float64", "steps": 4, "depth": 4, **tiny},
+        {"opt": "adam", "dtype": "float64", "accum": 2, "steps": 3, "hook": "record"},
+        {"opt": "sgd", "dtype": "float64", "branch": "rank0", "find_unused": True, "steps": 3},
+    ]
+    equivalence(threads_world, seed, cases)
 
 
 def test_frozen_tied_and_mixed_dtype_parameters(world: RankPool, seed: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.collectives.harness import RankPool
+from tests.collectives.threads_pool import ThreadsPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +43,7 @@ def _expected_scales(steps: int, inf_steps: set[int], init: float, interval: int
     return scales
 
 
-def _run(world: RankPool, seed: int, case: dict[str, Any]) -> dict[str, Any]:
+def _run(world: RankPool | ThreadsPool, seed: int, case: dict[str, Any]) -> dict[str, Any]:
     per_rank = world.run(BODY, {"seed": seed, "case": case}, deadline=60.0)
     first = per_rank[0]
     for rank, got in enumerate(per_rank):
@@ -80,6 +81,16 @@ def test_an_inf_on_one_rank_skips_that_step_on_every_rank(
     # The norms are the averaged gradient's: the reference's on the global batch.
     ref = [n for i, n in enumerate(got["ref_norm"]) if i not in inf_steps]
     assert finite == pytest.approx(ref, rel=TOL[amp] * 10), (finite, ref)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the inf, here
+def test_an_inf_on_one_rank_thread_skips_that_step_on_every_rank(
+    threads_world: ThreadsPool, seed: int
+) -> None:
+    """The same on rank threads: autocast and the scaler's state are per thread."""
+    case = {"steps": 5, "amp": True, "inf_steps": [2], "inf_rank": 1, "max_norm": 0.05}
+    got = _run(threads_world, seed, case)
+    assert [i for i, s in enumerate(got["skip"]) if s] == [2], got["skip"]
 
 
 def test_clipping_and_the_schedule_match_one_process(world: RankPool, seed: int) -> None:
