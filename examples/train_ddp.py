@@ -49,9 +49,10 @@ attempt (``DPT_RESTART_COUNT`` or ``TORCHELASTIC_RESTART_COUNT`` above 0) resume
 the run starts fresh and at once writes its step-0 checkpoint to ``--checkpoint``, so a later
 restart of this run never picks up a stale file an older run left there. At another world size
 the random generators are not restored (a warning says so) and the dropout masks are reseeded.
-Under ``--threads`` the ranks share this process's random generator, so dropout masks (and a
-resume's generator state) are not reproducible from run to run; the weights still agree on
-every rank (DDP).
+Under ``--threads`` each rank thread has its own tensorlib default generator (the threads
+backend gives it one: ``tl.set_thread_generator``), so its dropout masks are its own and
+reproducible; NumPy's and Python's global generators stay the process's, shared by the rank
+threads.
 
 The digits (1,797 images, 10 classes) ship inside scikit-learn (BSD licence; a copy of the UCI
 ML hand-written digits data), so nothing is downloaded.

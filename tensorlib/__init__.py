@@ -64,7 +64,7 @@ from ._device import (
 from ._device_kinds import DeviceKind
 from ._device_kinds import register as register_device_kind
 from ._dtype import bool_, float16, float32, float64, int32, int64
-from ._random import Generator, default_generator, manual_seed
+from ._random import Generator, default_generator, manual_seed, set_thread_generator
 from ._serialization import load, save
 from . import amp, functional, nn, optim
 
@@ -128,6 +128,7 @@ __all__ = [
     "reshape",
     "save",
     "set_grad_enabled",
+    "set_thread_generator",
     "sqrt",
     "stack",
     "sum",

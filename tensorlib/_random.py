@@ -1,14 +1,21 @@
-"""Seedable random number generation shared by creation functions, init and dropout."""
+"""Seedable random number generation shared by creation functions, init and dropout.
+
+``default_generator`` is the process's generator, except in a thread that was given its own
+with :func:`set_thread_generator` (each rank thread of collectives' ``threads`` backend is):
+there every default draw and ``manual_seed`` use that thread's generator, so rank threads
+seeding and drawing at once neither race nor see each other's streams.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 from ._device import Device, _load_cupy
 
-__all__ = ["Generator", "default_generator", "manual_seed"]
+__all__ = ["Generator", "default_generator", "manual_seed", "set_thread_generator"]
 
 
 class Generator:
@@ -62,9 +69,65 @@ class Generator:
         self.rng.bit_generator.state = state
 
 
-default_generator = Generator(0)
+class _DefaultGenerator(Generator):
+    """The default generator: the process's own state, or the calling thread's generator
+    when :func:`set_thread_generator` gave it one."""
+
+    def __init__(self, seed: int | None) -> None:
+        self._local = threading.local()
+        self._shared = Generator(seed)
+
+    def _target(self) -> Generator:
+        own: Generator | None = getattr(self._local, "generator", None)
+        return own if own is not None else self._shared
+
+    # The state Generator's methods read and write, routed to the thread's generator.
+    @property
+    def rng(self) -> np.random.Generator:
+        return self._target().rng
+
+    @rng.setter
+    def rng(self, value: np.random.Generator) -> None:
+        self._target().rng = value
+
+    @property
+    def seed(self) -> int | None:
+        return self._target().seed
+
+    @seed.setter
+    def seed(self, value: int | None) -> None:
+        self._target().seed = value
+
+    @property
+    def _cuda(self) -> dict[int, Any]:
+        return self._target()._cuda
+
+    @_cuda.setter
+    def _cuda(self, value: dict[int, Any]) -> None:
+        self._target()._cuda = value
+
+
+default_generator: Generator = _DefaultGenerator(0)
+
+
+def set_thread_generator(generator: Generator | None) -> None:
+    """Make ``generator`` the default generator of the calling thread (None: the process's
+    again). Other threads keep theirs.
+
+    Raises:
+        TypeError: when ``generator`` is not a tensorlib Generator or None.
+    """
+    if generator is not None and (
+        not isinstance(generator, Generator) or isinstance(generator, _DefaultGenerator)
+    ):
+        raise TypeError(
+            f"set_thread_generator takes a tensorlib.Generator or None, got {generator!r}"
+        )
+    assert isinstance(default_generator, _DefaultGenerator)
+    default_generator._local.generator = generator
 
 
 def manual_seed(seed: int) -> Generator:
-    """Seed the default generator (used when no ``generator=`` is given)."""
+    """Seed the default generator (used when no ``generator=`` is given): the process's, or
+    in a thread given its own by :func:`set_thread_generator`, that thread's."""
     return default_generator.manual_seed(seed)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import tensorlib as tl
+
 from .._errorfile import exception_name
 from .._launch import Failure, format_banner, format_failure, pick_first
 from .._restarts import attempt_title, restart_line
@@ -89,13 +91,16 @@ def run_threads(
     """
     job = ThreadJob(devices, timeout)
     n = job.size
+    # Every rank thread starts from a copy of the caller's default generator (as a forked
+    # process would) and then draws and seeds its own.
+    seed_state = tl.default_generator.get_state()
     outcomes = [_Outcome() for _ in range(n)]
     changed = threading.Condition()
 
     def main(rank: int) -> None:
         out = outcomes[rank]
         try:
-            out.value = _rank_main(job, rank, fn, args, init, timeout)
+            out.value = _rank_main(job, rank, fn, args, init, timeout, seed_state)
         except BaseException as exc:
             out.error, out.time = exc, time.time()
             out.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -131,10 +136,14 @@ def _rank_main(
     args: tuple[Any, ...],
     init: bool,
     timeout: float,
+    seed_state: dict[str, Any],
 ) -> Any:
     from .. import _api
 
     _api.bind_rank_thread(job, rank)
+    own = tl.Generator()
+    own.set_state(seed_state)
+    tl.set_thread_generator(own)
     dev = job.devices[rank]
     try:
         # CuPy arrays made without a device go to the rank's GPU.
@@ -152,6 +161,7 @@ def _rank_main(
     finally:
         job.store.set(f"world/left/{rank}", b"1")  # peers' setup waits name a rank that left
         _api.bind_rank_thread(None, -1)
+        tl.set_thread_generator(None)
 
 
 def _wait(outcomes: list[_Outcome], changed: threading.Condition, grace: float) -> None:

@@ -1,8 +1,9 @@
 """``ddp.idist``: Ignite's ``ignite.distributed`` helpers at world sizes 1, 2 and 4.
 
 One body per helper (tests/ddp/idist_bodies.py) runs on every rank of a live pool (serial x1,
-cpu x2, cpu x4), and in this process with nothing initialized (the serial model), so each
-case is checked with real processes at every world size. The cases follow Ignite's own tests
+cpu x2, cpu x4; and as rank threads of this process, threads x2 and x4), and in this process
+with nothing initialized (the serial model), so each case is checked with real processes (and
+threads) at every world size. The cases follow Ignite's own tests
 of these helpers (tests/ignite/distributed/utils in pytorch/ignite).
 """
 
@@ -16,19 +17,25 @@ import pytest
 import collectives
 import ddp.idist as idist
 from tests.collectives.harness import RankPool
+from tests.collectives.threads_pool import ThreadsPool
 
 from . import idist_bodies as B
 from .conftest import Pools
 
+Pool = RankPool | ThreadsPool
+
 pytestmark = pytest.mark.timeout(120)
 
-WORLDS = [("serial", 1), ("cpu", 2), ("cpu", 4)]
+WORLDS = [("serial", 1), ("cpu", 2), ("cpu", 4), ("threads", 2), ("threads", 4)]
 BODIES = "tests.ddp.idist_bodies"
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"{w[0]}{w[1]}")
-def world(request: pytest.FixtureRequest, pools: Pools) -> RankPool:
-    return pools(*request.param)
+def world(request: pytest.FixtureRequest, pools: Pools) -> Pool:
+    backend, size = request.param
+    if backend == "threads":  # rank threads of this process, one spawn per call
+        return ThreadsPool(size, timeout=20.0, tag="idist")
+    return pools(backend, size)
 
 
 @pytest.fixture
@@ -40,11 +47,11 @@ def alone() -> Iterator[None]:
     idist.finalize()
 
 
-def _run(world: RankPool, body: str, **kwargs: Any) -> list[Any]:
+def _run(world: Pool, body: str, **kwargs: Any) -> list[Any]:
     return world.run(f"{BODIES}:{body}", kwargs, deadline=60.0)
 
 
-def test_configuration_queries(world: RankPool) -> None:
+def test_configuration_queries(world: Pool) -> None:
     got = _run(world, "config")
     ws = world.world_size
     assert [g["rank"] for g in got] == list(range(ws))
@@ -52,7 +59,8 @@ def test_configuration_queries(world: RankPool) -> None:
     for g in got:
         assert (g["world"], g["nproc"], g["nnodes"], g["node_rank"]) == (ws, ws, 1, 0)
         assert g["device"] == "cpu"
-        assert g["backend"] == (None if ws == 1 else "cpu")
+        backend = "threads" if isinstance(world, ThreadsPool) else world.backend
+        assert g["backend"] == (None if ws == 1 else backend)
         assert g["model"] == ("serial" if ws == 1 else "native-dist")
         assert f"ddp.idist: world size: {ws}\n" in g["shown"]
         assert f"ddp.idist: rank: {g['rank']}\n" in g["shown"]
@@ -73,29 +81,29 @@ def test_outside_any_group_every_query_is_world_size_one(alone: None) -> None:
     assert not collectives.is_initialized()
 
 
-def test_all_reduce(world: RankPool) -> None:
+def test_all_reduce(world: Pool) -> None:
     ws = world.world_size
     got = _run(world, "all_reduce_cases")
     assert got == [{"sum": ws * ws / 2, "max": ws - 1}] * ws
 
 
-def test_all_gather(world: RankPool) -> None:
+def test_all_gather(world: Pool) -> None:
     ws = world.world_size
     got = _run(world, "all_gather_cases")
     assert got == [{"strings": [f"r{r}" for r in range(ws)]}] * ws
 
 
-def test_broadcast_from_every_rank_with_and_without_safe_mode(world: RankPool) -> None:
+def test_broadcast_from_every_rank_with_and_without_safe_mode(world: Pool) -> None:
     ws = world.world_size
     assert _run(world, "broadcast_cases") == [{"from_last": f"r{ws - 1}"}] * ws
 
 
-def test_barrier_orders_a_change_before_the_all_reduce(world: RankPool) -> None:
+def test_barrier_orders_a_change_before_the_all_reduce(world: Pool) -> None:
     ws = world.world_size
     assert _run(world, "barrier_case") == [10.0 + sum(range(ws))] * ws
 
 
-def test_groups_by_object_and_by_rank_list(world: RankPool) -> None:
+def test_groups_by_object_and_by_rank_list(world: Pool) -> None:
     ws = world.world_size
     got = _run(world, "group_cases")
     if ws == 1:
@@ -113,14 +121,14 @@ def test_groups_by_object_and_by_rank_list(world: RankPool) -> None:
 
 
 @pytest.mark.parametrize("with_barrier", [False, True])
-def test_one_rank_only_runs_on_the_given_rank(world: RankPool, with_barrier: bool) -> None:
+def test_one_rank_only_runs_on_the_given_rank(world: Pool, with_barrier: bool) -> None:
     ws = world.world_size
     got = _run(world, "one_rank_only_case", with_barrier=with_barrier)
     assert got == [[0] * (ws - 1) + [100]] * ws
 
 
 @pytest.mark.parametrize(("op", "cap_mb"), [("avg", 25.0), ("sum", 1e-6)])
-def test_sync_gradients_buckets_and_reduces(world: RankPool, op: str, cap_mb: float) -> None:
+def test_sync_gradients_buckets_and_reduces(world: Pool, op: str, cap_mb: float) -> None:
     ws = world.world_size
     got = _run(world, "sync_gradients_case", op=op, cap_mb=cap_mb)
     # 5 trainable parameters in two dtypes: one bucket per dtype, or one each when tiny.
@@ -147,7 +155,7 @@ def _flat(x: Any) -> list[float]:
     return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
 
 
-def test_sync_parameters_copies_the_source_ranks_values(world: RankPool) -> None:
+def test_sync_parameters_copies_the_source_ranks_values(world: Pool) -> None:
     ws = world.world_size
     got = _run(world, "sync_parameters_case", src=ws - 1)
     assert got == [{"count": 0 if ws == 1 else 6}] * ws
