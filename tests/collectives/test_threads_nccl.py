@@ -127,3 +127,42 @@ def test_a_raising_device_thread_aborts_the_others_communicators(
     _kind, msg, waited = seen[0]
     assert "rank 1 failed" in msg and "device thread one broke" in msg, msg
     assert waited < 5.0, waited
+
+
+def _join_on_device(rank: int) -> dict[str, Any]:
+    """DDP under ddp.join on this rank's (fake) GPU: rank r has 5 - r batches, Adam."""
+    import ddp
+    import tensorlib as tl
+    from ddp import DistributedDataParallel
+    from tensorlib import nn
+
+    dev = C.get_device()
+    net = nn.Sequential(nn.Linear(4, 8, generator=tl.Generator(3)), nn.Tanh(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net.to(dev))
+    opt = tl.optim.Adam(model.parameters(), lr=1e-2)
+    rng = np.random.default_rng(rank)
+    with ddp.join(model, optimizers=[opt]):
+        for _ in range(5 - rank):
+            x = tl.tensor(rng.standard_normal((3, 4)), device=dev)
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    moments = [
+        v.get().tolist()
+        for state in opt.state_dict()["state"].values()
+        for v in state.values()
+        if hasattr(v, "get")
+    ]
+    return {"params": [p.data.get().tolist() for p in model.parameters()], "moments": moments}
+
+
+def test_join_on_device_threads_copies_state_on_the_device(fake: fake_nccl.FakeNccl) -> None:
+    """ddp.join with CuPy buckets and optimizer state: the rank that ran out ends with the
+    other's parameters and Adam moments (copied device to device through NCCL)."""
+    got = C.spawn(
+        _join_on_device, nprocs=2, backend="threads", devices=["cuda:0", "cuda:1"], timeout=30
+    )
+    assert got is not None
+    assert got[0]["moments"] and got[0]["moments"] == got[1]["moments"]
+    assert got[0]["params"] == got[1]["params"]

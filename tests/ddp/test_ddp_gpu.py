@@ -160,3 +160,44 @@ def test_ddp_over_nccl_matches_one_process_on_the_global_batch(
         assert r["params"] == first, f"rank {r['rank']} ended with different parameters"
     for got, want in zip(first, _reference(world), strict=True):
         np.testing.assert_allclose(np.array(got, np.float32), want.ravel(), rtol=1e-4, atol=1e-5)
+
+
+def _nccl_join_rank(local_rank: int) -> dict[str, Any]:
+    """One spawned rank under ddp.join: rank r has STEPS - r batches, Adam's state on the GPU."""
+    import collectives as C
+    import ddp
+    from ddp import DistributedDataParallel
+
+    rank, world = C.get_rank(), C.get_world_size()
+    model = DistributedDataParallel(_model("cuda"))
+    opt = tl.optim.Adam(model.parameters(), lr=1e-2)
+    with ddp.join(model, optimizers=[opt]):
+        for step in range(STEPS - rank):
+            x, y = _batch(step, world)
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            loss = (
+                (model(tl.tensor(x[rows], device="cuda")) - tl.tensor(y[rows], device="cuda")) ** 2
+            ).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    moments = [
+        np.asarray(v.get() if hasattr(v, "get") else v).ravel().tolist()  # CuPy -> host
+        for state in opt.state_dict()["state"].values()
+        for v in state.values()
+        if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0
+    ]
+    return {"params": [p.ravel().tolist() for p in _host_params(model)], "moments": moments}
+
+
+def test_join_over_nccl_leaves_every_rank_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uneven inputs on the GPU: rank 1 runs out a step early; at the end of the block both
+    ranks hold the same parameters and Adam moments (copied from rank 0, on the device)."""
+    import collectives as C
+
+    _nccl_or_skip(2, monkeypatch)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    results = C.spawn(_nccl_join_rank, nprocs=2, backend="nccl", timeout=120)
+    assert results is not None and len(results) == 2
+    assert results[0]["params"] == results[1]["params"]
+    assert results[0]["moments"] and results[0]["moments"] == results[1]["moments"]
