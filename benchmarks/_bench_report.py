@@ -1,9 +1,11 @@
 """allreduce-bench's report: the nccl-tests table on stdout, its notes, the JSON and the plot.
 
 The table's columns are nccl-tests' (size, count, type, redop, root, time, algbw, busbw,
-#wrong), then per peer its time, busbw, #wrong and its time as a ratio of ours. The footer
-states average and peak busbw per engine and the peak as a share of the copy bandwidth
-measured in the same run.
+#wrong), then the limit at that size (one memory copy of the buffer per rank, timed in the
+same ranks: ``_bench_math``) and the row's share of it, with ``--busy-main`` the idle-main
+time and busy/idle, then per peer its time, busbw, #wrong, share of its own limit and its
+time as a ratio of ours. The footer states average and peak busbw per engine and the range
+of its shares of the limit.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _CONFIG_KEYS = (
     "blocks",
     "check",
     "async_op",
+    "busy_main",
     "device",
     "zero_copy",
 )
@@ -90,39 +93,66 @@ def table(ours: str, results: dict[str, Any], args: argparse.Namespace, n: int) 
     rows = results[ours]["rows"]
     peers = [e for e in results if e != ours]
     factor = bus_factor(args.op, n)
-    mode = "async" if args.async_op else "blocking"
+    busy = bool(getattr(args, "busy_main", False))
+    mode = (
+        "async, rank 0 busy in Python until each call completed (others idle)"
+        if busy
+        else ("async" if args.async_op else "blocking")
+    )
+    lim = "device copy" if args.device == "cuda" or ours == "nccl" else "memory copy"
     lines = [
         f"# allreduce-bench: {args.op}, engine {ours}, {n} ranks, {args.dtype}, {mode}, "
-        f"busbw = algbw * {factor:g}, time = slowest rank, median of {args.blocks} blocks",
+        f"busbw = algbw * {factor:g}, time = slowest rank, median of {args.blocks} blocks; "
+        f"limit = one {lim} of the buffer per rank at that size, all ranks at once",
         f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'root':>4} "
-        f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
-        + "".join(f" | {p + ' us':>11} {'busbw':>7} {'#wrong':>6} {'ratio':>7}" for p in peers),
+        f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'lim(us)':>8} {'%lim':>5}"
+        + (f" {'idle(us)':>9} {'busy/idle':>9}" if busy else "")
+        + "".join(
+            f" | {p + ' us':>11} {'busbw':>7} {'#wrong':>6} {'%lim':>5} {'ratio':>7}" for p in peers
+        ),
     ]
     for i, r in enumerate(rows):
         wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
         line = (
             f"  {r['size']:>10} {r['count']:>10} {_SHORT_TYPES.get(r['type'], r['type']):>8} "
             f"{r['redop']:>6} {r['root']:>4} {r['time_us']:>10.1f} {r['algbw']:>7.2f} "
-            f"{r['busbw']:>7.2f} {wrong:>6}"
+            f"{r['busbw']:>7.2f} {wrong:>6} {r['limit_us']:>8.1f} {r['share']:>5.0%}"
         )
+        if busy:
+            line += f" {r['idle_us']:>9.1f} {r['time_us'] / r['idle_us']:>8.2f}x"
         for p in peers:
             q = results[p]["rows"][i]
             qw = "N/A" if q["wrong"] is None else str(q["wrong"])
             ratio = q["time_us"] / r["time_us"]
-            line += f" | {q['time_us']:>11.1f} {q['busbw']:>7.2f} {qw:>6} {ratio:>6.2f}x"
+            line += (
+                f" | {q['time_us']:>11.1f} {q['busbw']:>7.2f} {qw:>6} {q['share']:>5.0%} "
+                f"{ratio:>6.2f}x"
+            )
         lines.append(line)
     if peers:
         lines.append(f"# ratio = peer's time / {ours}'s time (above 1: {ours} is faster)")
+    lines.append(
+        "# %lim = the limit's time / the row's time (each engine against the limit timed in "
+        "its own ranks); the limit reads and writes the buffer once, in place, as an "
+        "all-reduce must at least"
+    )
+    over = []
     for e, res in results.items():
         bus = [r["busbw"] for r in res["rows"]]
-        peak_i = int(np.argmax([r["algbw"] for r in res["rows"]]))
-        peak_alg = res["rows"][peak_i]["algbw"]
-        copy = res["copy_GBps"]
-        where = "device copy" if args.device == "cuda" or e == "nccl" else "memory copy"
+        shares = [r["share"] for r in res["rows"]]
+        top = int(np.argmax(shares))
         lines.append(
             f"# {e:>7}: avg busbw {np.mean(bus):.2f} GB/s, peak busbw {max(bus):.2f} GB/s; "
-            f"peak algbw {peak_alg:.2f} GB/s at {human(res['rows'][peak_i]['size'])} = "
-            f"{peak_alg / copy:.0%} of {where} ({copy:.1f} GB/s, same run)"
+            f"share of the limit {min(shares):.0%}-{max(shares):.0%}, highest at "
+            f"{human(res['rows'][top]['size'])} (limit there {res['rows'][top]['limit_us']:.1f} "
+            "us)"
+        )
+        over += [f"{e} at {human(r['size'])}" for r in res["rows"] if r["share"] > 1]
+    if over:
+        lines.append(
+            "# above 100%: " + ", ".join(over) + ": the limit's blocks ran right after the "
+            "collective's, at another moment of this machine's load (other processes, "
+            "frequency): compare such rows across runs"
         )
     return lines
 
@@ -147,7 +177,8 @@ def rounding_notes(args: argparse.Namespace, n: int, itemsize: int) -> list[str]
 
 # ---------------------------------------------------------------------------- files
 def plot(path: str, results: dict[str, Any], args: argparse.Namespace, n: int) -> None:
-    """busbw against size (log x), one line per engine."""
+    """busbw against size (log x), one line per engine, and the limit per size (the highest
+    of the engines' own limits, in busbw terms)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,6 +188,11 @@ def plot(path: str, results: dict[str, Any], args: argparse.Namespace, n: int) -
     for e, res in results.items():
         xs = [r["size"] for r in res["rows"]]
         ax.plot(xs, [r["busbw"] for r in res["rows"]], marker="o", label=e)
+    first = next(iter(results.values()))["rows"]
+    limit = [
+        max(res["rows"][i]["limit_busbw"] for res in results.values()) for i in range(len(first))
+    ]
+    ax.plot([r["size"] for r in first], limit, "k--", label="limit: one memory copy per rank")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("busbw (GB/s)")

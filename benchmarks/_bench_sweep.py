@@ -2,14 +2,26 @@
 
 Per size: ``--warmup-iters`` untimed calls, then ``--blocks`` timed blocks of ``--iters``
 calls, each after a barrier; a block's time is the slowest rank's, the figure the median
-block divided by its calls. ``check`` then runs the collective on data that differs per rank
-and per iteration (small positive integers, exact in every dtype, never zeros) and counts
-the elements that differ from the expected value computed here in float64.
+block divided by its calls. The timed calls run on data whose result stays put however
+often it is reduced in place (a sum or average of zero across ranks, a product of ones,
+min and max of fixed values), so nothing overflows, and afterwards the timed all-reduce's
+buffer is checked against that fixed point. ``check`` then runs the collective on data that
+differs per rank and per iteration (small positive integers, exact in every dtype, never
+zeros) and counts the elements that differ from the expected value computed here in float64.
+
+The limit at each size (``_bench_math.limit_copy``) is timed the same way in the same ranks:
+the same blocks and calls, every rank at once, the slowest rank's block.
+
+``--busy-main``: each call is issued asynchronously; rank 0's main thread then runs pure
+Python until the call completed (polling ``is_completed`` between small units of work), the
+other ranks wait idly (one rank per core leaves no core for a second busy rank). Blocks
+alternate with the same calls where rank 0 waits idly too, and the row gives both.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -24,7 +36,8 @@ from benchmarks._bench_math import (
     element_count,
     gpu_copy_bandwidth,
     human,
-    memcpy_bandwidth,
+    limit_buffer,
+    limit_copy,
     sizes,
 )
 
@@ -39,6 +52,26 @@ def _data(rank: int, it: int, start: int, count: int, dtype: np.dtype[Any]) -> A
     small positive integers (exact in every dtype), different per rank and per iteration."""
     idx = np.arange(start, start + count, dtype=np.int64)
     return ((idx % 7) + 1 + rank + 2 * it).astype(dtype)
+
+
+def _timed_data(rank: int, n: int, rop: str, count: int, dtype: np.dtype[Any]) -> Any:
+    """Rank ``rank``'s input for the timed calls: reduced in place any number of times, the
+    result stays finite and known (see :func:`_timed_expect`)."""
+    base = _data(0, 0, 0, count, np.dtype(np.int64))
+    if rop in ("sum", "avg"):  # the ranks' values sum to zero: the result is 0 from call 1 on
+        return (base * (-(n - 1) if rank == n - 1 else 1)).astype(dtype)
+    if rop == "prod":
+        return np.ones(count, dtype=dtype)
+    return _data(rank, 0, 0, count, dtype)  # min, max: the first call's result is a fixed point
+
+
+def _timed_expect(rop: str, n: int, lo: int, hi: int) -> np.ndarray[Any, Any]:
+    """Elements lo..hi of an all-reduce buffer after one or more timed calls (float64)."""
+    if rop in ("sum", "avg"):
+        return np.zeros(hi - lo)
+    if rop == "prod":
+        return np.ones(hi - lo)
+    return _reduce_expect(rop, n, 0, lo, hi - lo)
 
 
 def _reduce_expect(rop: str, n: int, it: int, start: int, count: int) -> np.ndarray[Any, Any]:
@@ -102,9 +135,19 @@ def check(
             res[: min(corrupt, res.size)] += 1
         if op == "reduce" and r != 0:
             continue  # non-roots' buffers are unspecified after a reduce
-        for lo in range(0, res.size, _CHUNK):  # in chunks: float64 copies of 256M would be big
-            hi = min(lo + _CHUNK, res.size)
-            wrong += _count_wrong(res[lo:hi], _expect(op, rop, n, r, it, blk, lo, hi), dtype)
+        wrong += _count_wrong_chunked(
+            res, lambda lo, hi, it=it: _expect(op, rop, n, r, it, blk, lo, hi), dtype
+        )
+    return wrong
+
+
+def _count_wrong_chunked(got: Any, expect: Any, dtype: np.dtype[Any]) -> int:
+    """:func:`_count_wrong` over ``got`` in chunks; ``expect(lo, hi)`` gives the values."""
+    res = _to_host(got).reshape(-1)
+    wrong = 0
+    for lo in range(0, res.size, _CHUNK):  # in chunks: float64 copies of 256M would be big
+        hi = min(lo + _CHUNK, res.size)
+        wrong += _count_wrong(res[lo:hi], expect(lo, hi), dtype)
     return wrong
 
 
@@ -145,42 +188,117 @@ def _timed_blocks(
     return blocks
 
 
+def _done(handle: Any) -> bool:
+    """Whether an async call completed (our Work and torch's: is_completed; mpi4py: Test)."""
+    test = getattr(handle, "is_completed", None) or handle.Test
+    return bool(test())
+
+
+def _python_work() -> int:
+    """A small unit (a few microseconds) of pure-Python work that holds the GIL."""
+    total = 0
+    for i in range(32):
+        total += i * i
+    return total
+
+
+def _busy_blocks(
+    eng: Engine, args: argparse.Namespace, x: Any, out: Any, iters: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``--busy-main``: seconds per async call of each block with rank 0's main thread busy
+    in Python until the call completed, and of blocks where it waits idly (alternating)."""
+    for _ in range(args.warmup_iters):
+        eng.run(args.op, x, out, args.reduce_op, True).wait()
+    busy_rank = eng.rank == 0
+    idle = np.zeros(args.blocks, dtype=np.float64)
+    busy = np.zeros(args.blocks, dtype=np.float64)
+    for b in range(args.blocks):
+        for keep_busy, dest in ((False, idle), (True, busy)):
+            eng.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                w = eng.run(args.op, x, out, args.reduce_op, True)
+                if keep_busy and busy_rank:
+                    while not _done(w):
+                        _python_work()
+                w.wait()
+            eng.synchronize()
+            dest[b] = (time.perf_counter() - t0) / iters
+    return idle, busy
+
+
+def _limit_blocks(
+    eng: Engine, args: argparse.Namespace, nbytes: int, iters: int, device: bool
+) -> np.ndarray[Any, Any]:
+    """Seconds per limit copy of ``nbytes`` (see ``_bench_math``), per block, timed like the
+    collective: every rank at once after a barrier, ``iters`` copies a block."""
+    blocks = np.zeros(args.blocks, dtype=np.float64)
+    if device:  # a device-to-device copy of this size, timed on the GPU
+        blocks[:] = nbytes / (gpu_copy_bandwidth(nbytes) * 1e9)
+        return blocks
+    buf = limit_buffer(nbytes)
+    for _ in range(args.warmup_iters):
+        limit_copy(buf)
+    for b in range(args.blocks):
+        eng.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            limit_copy(buf)
+        blocks[b] = (time.perf_counter() - t0) / iters
+    return blocks
+
+
 def run_sweep(eng: Engine, args: argparse.Namespace, label: str) -> list[dict[str, Any]]:
     """The sweep in this rank; every rank returns the same rows."""
     dtype = np.dtype(args.dtype)
     n = eng.size
     root = 0 if args.op in ("broadcast", "reduce") else -1
     rop = args.reduce_op if args.op in ("all_reduce", "reduce_scatter", "reduce") else "none"
+    device = args.device == "cuda" or label == "nccl"
     rows = []
     sweep = sizes(args.min_bytes, args.max_bytes, args.step_factor)
     for i, nbytes in enumerate(sweep):
         count = element_count(args.op, nbytes, dtype.itemsize, n)
+        size = count * dtype.itemsize
         x, out = _buffers(eng, args.op, count, dtype)
-        x[...] = eng.xp.asarray(_data(eng.rank, 0, 0, x.size, dtype))
+        x[...] = eng.xp.asarray(_timed_data(eng.rank, n, args.reduce_op, x.size, dtype))
         iters = args.iters or auto_iters(nbytes)
-        blocks = _timed_blocks(eng, args, x, out, iters)
+        idle = None
+        if args.busy_main:
+            idle, blocks = _busy_blocks(eng, args, x, out, iters)
+            idle = eng.reduce_host(idle, "max")
+        else:
+            blocks = _timed_blocks(eng, args, x, out, iters)
         blocks = eng.reduce_host(blocks, "max")  # a block lasts as long as its slowest rank
+        limit = eng.reduce_host(_limit_blocks(eng, args, size, iters, device), "max")
         wrong = np.zeros(1, dtype=np.float64)
         if args.check:
-            wrong[0] = check(eng, args.op, x, out, count, dtype, args.reduce_op)
+            if args.op == "all_reduce":  # the timed calls' result: the fixed point, finite
+                expect = functools.partial(_timed_expect, args.reduce_op, n)
+                wrong[0] = _count_wrong_chunked(x, expect, dtype)
+            wrong[0] += check(eng, args.op, x, out, count, dtype, args.reduce_op)
         wrong = eng.reduce_host(wrong, "sum")
         t = float(np.median(blocks))
-        size = count * dtype.itemsize
+        t_lim = float(np.median(limit))
         algbw = size / t / 1e9
-        rows.append(
-            {
-                "size": size,
-                "count": count,
-                "type": str(dtype),
-                "redop": rop,
-                "root": root,
-                "time_us": t * 1e6,
-                "algbw": algbw,
-                "busbw": algbw * bus_factor(args.op, n),
-                "wrong": int(wrong[0]) if args.check else None,
-                "iters": iters,
-            }
-        )
+        row = {
+            "size": size,
+            "count": count,
+            "type": str(dtype),
+            "redop": rop,
+            "root": root,
+            "time_us": t * 1e6,
+            "algbw": algbw,
+            "busbw": algbw * bus_factor(args.op, n),
+            "wrong": int(wrong[0]) if args.check else None,
+            "iters": iters,
+            "limit_us": t_lim * 1e6,
+            "limit_busbw": size / t_lim / 1e9 * bus_factor(args.op, n),
+            "share": t_lim / t,
+        }
+        if idle is not None:
+            row["idle_us"] = float(np.median(idle)) * 1e6
+        rows.append(row)
         if eng.rank == 0:
             print(
                 f"[{label}] {i + 1}/{len(sweep)} {human(size)}: {t * 1e6:.1f} us",
@@ -199,17 +317,6 @@ def worker(engine: str, args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"{engine}: {e}") from e
     try:
         rows = run_sweep(eng, args, engine)
-        copy_bw = (
-            gpu_copy_bandwidth()
-            if args.device == "cuda" or engine == "nccl"
-            else memcpy_bandwidth(min(256 << 20, max(args.max_bytes, 16 << 20)))
-        )
-        return {
-            "engine": engine,
-            "world": eng.size,
-            "rank": eng.rank,
-            "copy_GBps": copy_bw,
-            "rows": rows,
-        }
+        return {"engine": engine, "world": eng.size, "rank": eng.rank, "rows": rows}
     finally:
         eng.close()

@@ -9,17 +9,19 @@
 
 Without ``--nproc`` inside ranks started by ``collectives.run``, torchrun, SLURM or mpirun
 (RANK/WORLD_SIZE, SLURM_PROCID or OMPI_COMM_WORLD_RANK set) it runs in those ranks; otherwise
-it starts ``--nproc`` (default 2) fresh ranks per engine. Per size: ``--warmup-iters`` untimed
-calls, then ``--blocks`` timed blocks of ``--iters`` calls, each block after a barrier; a
-block's time is the slowest rank's; the figure is the median block divided by its calls
-(``--async``: a block issues every call, then waits). algbw = size / time; busbw = algbw *
-factor (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and reduce 1):
-what each rank's link carries, comparable across world sizes and with the hardware's
-bandwidth. ``--check`` then runs each collective on data that differs per rank and per
-iteration (never zeros) and counts wrong elements (#wrong, summed over ranks). The footer
-states average and peak busbw and, on CPU, the peak as a share of a memory-copy bandwidth
-measured in the same run (on GPU, of a device-to-device copy). Exit status: 0, 1 when any
-element was wrong, 2 for impossible requests.
+it starts ``--nproc`` (default 2) fresh ranks per engine. Per size: ``--warmup-iters``
+untimed calls, then ``--blocks`` timed blocks of ``--iters`` calls, each block after a
+barrier; a block's time is the slowest rank's; the figure is the median block divided by its
+calls (``--async``: a block issues every call, then waits; ``--busy-main``: each call async
+while rank 0's main thread runs pure Python until it completed, beside the same calls with
+rank 0 idle). algbw = size / time; busbw = algbw * factor (all_reduce 2(n-1)/n, all_gather
+and reduce_scatter (n-1)/n, broadcast and reduce 1): what each rank's link carries,
+comparable across world sizes and with the hardware's bandwidth. ``--check`` then runs each
+collective on data that differs per rank and per iteration (never zeros) and counts wrong
+elements (#wrong, summed over ranks). Each row gives its share of the limit at that size:
+one memory copy of the buffer per rank, all ranks at once, warm and in place as the
+collective touches it (on GPU a device-to-device copy), timed in the same ranks right after
+it. Exit status: 0, 1 when any element was wrong, 2 for impossible requests.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
         dest="async_op",
         action="store_true",
         help="issue every call of a block, then wait",
+    )
+    p.add_argument(
+        "--busy-main",
+        action="store_true",
+        help="each call async while rank 0's main thread runs Python until it completed, "
+        "beside the same calls with rank 0 waiting idly (busy/idle column)",
     )
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", metavar="PATH")
@@ -215,6 +223,7 @@ def _worker_argv(engine: str, args: argparse.Namespace, out: str) -> list[str]:
     argv += ["--dtype", args.dtype, "--reduce-op", args.reduce_op, "--device", args.device]
     argv += ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters)]
     argv += ["--blocks", str(args.blocks), "--check" if args.check else "--no-check"]
+    argv += ["--busy-main"] if args.busy_main else []
     return argv + (["--async"] if args.async_op else [])
 
 

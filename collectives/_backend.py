@@ -26,6 +26,8 @@ backend only moves data. What a backend implements (see also docs/design.md):
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -112,6 +114,8 @@ class Request:
         deadline: ``time.monotonic()`` by which the engine must have finished or failed,
             set when the engine starts it.
         result: what ``Work.wait()`` returns.
+        on_thread: it runs on the group's communication thread (not in the caller's): an
+            engine's waits then give the GIL away once, rather than polling for it.
     """
 
     op: str
@@ -124,6 +128,7 @@ class Request:
     peer: int = -1
     deadline: float = 0.0
     result: Any = None
+    on_thread: bool = False
 
 
 def run_alone(req: Request) -> None:
@@ -152,6 +157,9 @@ class Backend:
         self.info = info
         self.error: CollectiveError | None = None
         self._executor = Executor(self)
+        # An engine with its own asynchrony (it overrides submit) never runs through the
+        # executor, so blocking calls go through its submit too.
+        self._own_queue = type(self).submit is not Backend.submit
 
     # ------------------------------------------------------------------ what engines implement
     def run(self, req: Request) -> None:
@@ -202,6 +210,14 @@ class Backend:
         """Queue ``req`` in submission order; return its Work."""
         return self._executor.submit(req, async_op)
 
+    def call(self, req: Request) -> Work | None:
+        """A blocking ``req``: run it inline when nothing is queued (None once done; raises its
+        error), else queue it and return its Work to wait on. Engines that override
+        :meth:`submit` get its Work."""
+        if self._own_queue:
+            return self.submit(req, async_op=False)
+        return self._executor.call(req)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted request finished; False if ``timeout`` passed first."""
         return self._executor.drain(timeout)
@@ -214,6 +230,54 @@ class Backend:
         """Raise GroupAbortedError if an earlier failure broke this group."""
         if self.error is not None:
             raise self.info.unusable(op, seq, self.error)
+
+
+def _switch_interval() -> float:
+    raw = os.environ.get("DPT_COMM_SWITCH_INTERVAL", "")
+    try:
+        value = float(raw) if raw else 50e-6
+    except ValueError:
+        raise ValueError(
+            f"DPT_COMM_SWITCH_INTERVAL must be seconds (e.g. 5e-5), got {raw!r}"
+        ) from None
+    return value
+
+
+class _ShortSwitch:
+    """While requests are queued for or run on a communication thread, the interpreter's
+    switch interval is short (``DPT_COMM_SWITCH_INTERVAL``, 50 us; 0 leaves it alone).
+
+    A thread that wants the GIL back (waking up for a request, after a NumPy copy or a wait
+    that released it) waits until the holder drops it, and a main thread running Python
+    holds it for a whole switch interval (5 ms by default): one all-reduce takes the GIL back
+    several times. The interval is process-wide, so the first queued request shortens it
+    and the last one to finish restores what it was.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved = 0.0
+
+    def enter(self) -> None:
+        """One more request queued for a communication thread."""
+        with self._lock:
+            self._active += 1
+            if self._active == 1:
+                self._saved = sys.getswitchinterval()
+                short = _switch_interval()
+                if 0 < short < self._saved:
+                    sys.setswitchinterval(short)
+
+    def leave(self) -> None:
+        """A queued request finished; the last one restores the interval."""
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SHORT_SWITCH = _ShortSwitch()
 
 
 class Executor:
@@ -243,6 +307,9 @@ class Executor:
             if inline:
                 self._running = True
             else:
+                # From now until it finished, the thread must get the GIL back quickly: to
+                # wake up for it, and after each copy or wait that released it.
+                _SHORT_SWITCH.enter()
                 self._queue.append((req, work))
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -265,7 +332,28 @@ class Executor:
             if self._waiting:
                 self._cond.notify_all()
 
-    def _execute(self, req: Request, work: Work) -> None:
+    def call(self, req: Request) -> Work | None:
+        """A blocking ``req``: inline when nothing is queued or running (no Work, no thread
+        handoff: the small-message path; None once done), else queued behind the others (its
+        Work, to wait on).
+
+        Raises what ``Work.wait()`` would: the collective's error, or the engine's exception.
+        """
+        with self._lock:
+            if self._closed or self._queue or self._running:
+                inline = False
+            else:
+                inline = self._running = True
+        if not inline:
+            return self.submit(req, async_op=False)
+        try:
+            self._run(req)
+        finally:
+            self._idle()
+        return None
+
+    def _run(self, req: Request) -> None:
+        """Run ``req`` here; a failure breaks the group (abort) and is raised."""
         backend = self.backend
         try:
             backend.check_usable(req.op, req.seq)
@@ -273,7 +361,7 @@ class Executor:
             backend.run(req)
         except CollectiveError as exc:
             backend.abort(exc)
-            work.set_error(exc)
+            raise
         except BaseException as exc:  # a bug or bad state in an engine: never leave Work pending
             info = backend.info
             backend.abort(
@@ -285,6 +373,12 @@ class Executor:
                     seq=req.seq,
                 )
             )
+            raise
+
+    def _execute(self, req: Request, work: Work) -> None:
+        try:
+            self._run(req)
+        except BaseException as exc:
             work.set_error(exc)
         else:
             work.set_result(req.result)
@@ -298,9 +392,11 @@ class Executor:
                     return
                 req, work = self._queue.popleft()
                 self._running = True
+            req.on_thread = True
             try:
                 self._execute(req, work)
             finally:
+                _SHORT_SWITCH.leave()  # entered when the request was queued
                 self._idle()
 
     def _wait(self, timeout: float | None) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._backend import GroupInfo, Request
 from .._errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
-from .._signature import SIG_BYTES, mismatch_text, record_bytes
+from .._signature import SIG_BYTES, Signature, mismatch_text, record_bytes
 from ._cpu_layout import (
     ABORT_CLOSED,
     ABORT_FAILED,
@@ -50,6 +50,7 @@ __all__ = ["Lockstep"]
 
 _COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
 _NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
+_U64 = 0xFFFFFFFFFFFFFFFF
 
 
 class Lockstep:
@@ -74,6 +75,7 @@ class Lockstep:
         self.yield_time = 2e-3 if self.size <= cores else 200e-6
         self.slice = 0.005
         self._posts = 0
+        self._tails: dict[int, tuple[Signature, bytes]] = {}
 
     # ------------------------------------------------------------------ posts
     def post(self, sig: bytes | None = None) -> int:
@@ -96,7 +98,7 @@ class Lockstep:
 
     def begin(self, req: Request, loc: tuple[int, int, int, int] = NO_LOCATION) -> int:
         """First post of a collective: signature out, wait for all, compare; returns the post."""
-        sig = record_bytes(req.signature, req.seq)
+        sig = (req.seq & _U64).to_bytes(8, "little") + self._tail(req.signature)
         post = self.post(sig + (_NO_LOCATION_BYTES if loc is NO_LOCATION else LOCATION.pack(*loc)))
         self.wait_all(post, req)
         core = sig[:_COMPARED]
@@ -110,6 +112,22 @@ class Lockstep:
         # mismatch is still reported as one on every rank).
         self.check_aborts(req)
         return post
+
+    def _tail(self, sig: Signature) -> bytes:
+        """The signature record of ``sig`` after its sequence number (as ``record_bytes``).
+
+        Cached by identity, holding ``sig`` (so its id is not reused): hashing a Signature
+        hashes its ReduceOp, a Python-level call, and the group passes the same Signature
+        object for repeated calls of one shape.
+        """
+        hit = self._tails.get(id(sig))
+        if hit is not None and hit[0] is sig:
+            return hit[1]
+        tail = record_bytes(sig, 0)[8:]
+        if len(self._tails) >= 256:
+            self._tails.clear()
+        self._tails[id(sig)] = (sig, tail)
+        return tail
 
     def phase(self, req: Request) -> None:
         """One more (post, wait for all) step of the current collective."""
@@ -151,9 +169,11 @@ class Lockstep:
             if reached(words[idx], target):
                 return
         # 2. Keep polling but give the core away each time (a peer may share this core);
-        #    os.sched_yield also releases the GIL for the caller's other threads.
+        #    os.sched_yield also releases the GIL for the caller's other threads. Not on the
+        #    communication thread: each yield hands the GIL to a main thread running Python,
+        #    which keeps it for a switch interval; sleeping gives it away once.
         sched_yield = os.sched_yield
-        while clock() < yield_until:
+        while not req.on_thread and clock() < yield_until:
             if reached(words[idx], target):
                 return
             sched_yield()

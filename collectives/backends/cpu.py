@@ -82,10 +82,14 @@ def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
             return
 
 
+# By identity: an Enum member's hash is a Python-level call, and this runs on every call.
+_UFUNC_OF = {id(op): uf for op, uf in _UFUNCS.items()}
+
+
 def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
     """``out = sources[0] op sources[1] op ...`` in order; ``out`` may be the first or second
     source itself (elementwise in place), never a later one."""
-    uf = _UFUNCS[op]
+    uf = _UFUNC_OF[id(op)]
     if len(sources) == 1:
         np.copyto(out, sources[0])
     else:
@@ -129,6 +133,8 @@ class CpuBackend(Backend):
         self._sent = [0] * n  # chunks sent to each peer
         self._recvd = [0] * n  # chunks received from each peer
         self._allocs: list[tuple[int, int, int, list[Segment]]] = []
+        # (slot parity, dtype, count) -> this rank's slot and every rank's, as typed views.
+        self._small_views: dict[tuple[int, Any, int], tuple[Any, list[Any]]] = {}
         self._closed = False
         self._own = Segment.create(self.layout.total, f"{info.name}-r{info.rank}")
         try:
@@ -229,7 +235,8 @@ class CpuBackend(Backend):
         self.sync.begin(req)
 
     def _do_all_reduce(self, req: Request) -> None:
-        flat = req.array.reshape(-1)
+        arr = req.array
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
         if flat.nbytes <= self.small:
             self._all_reduce_small(req, flat)
             return
@@ -244,14 +251,27 @@ class CpuBackend(Backend):
             self._all_reduce_chunks(req, flat, first_done=True)
 
     def _all_reduce_small(self, req: Request, flat: Any) -> None:
-        par = self._next_slot()
-        nb = flat.nbytes
-        self.mine.slots[par][:nb] = flat.view(np.uint8)
+        par = self._slot_parity
+        self._slot_parity = par ^ 1
+        own, sources = self._small_slots(par, flat.dtype, flat.size)
+        np.copyto(own, flat)
         self.sync.begin(req)
-        dt = flat.dtype
-        sources = [p.slots[par][:nb].view(dt) for p in self.views]
         assert req.reduce_op is not None
         _reduce(flat, sources, req.reduce_op, self.size)
+
+    def _small_slots(self, par: int, dt: Any, count: int) -> tuple[Any, list[Any]]:
+        """This rank's slot ``par`` and every rank's, as ``count`` items of ``dt`` (cached:
+        building the views costs more than a small message's copy)."""
+        key = (par, dt, count)
+        hit = self._small_views.get(key)
+        if hit is None:
+            nb = count * dt.itemsize
+            sources = [p.slots[par][:nb].view(dt) for p in self.views]
+            hit = (sources[self.rank], sources)
+            if len(self._small_views) >= 256:
+                self._small_views.clear()
+            self._small_views[key] = hit
+        return hit
 
     def _slices(self, count: int) -> list[tuple[int, int]]:
         n = self.size

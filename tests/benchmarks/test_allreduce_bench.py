@@ -26,7 +26,8 @@ from tests.helpers import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["-b", "64", "-e", "1K", "-f", "4", "--iters", "2", "--warmup-iters", "1", "--blocks", "1"]
-ROW_KEYS = {"size", "count", "type", "redop", "root", "time_us", "algbw", "busbw", "wrong"}
+ROW_KEYS = {"size", "count", "type", "redop", "root", "time_us", "algbw", "busbw", "wrong",
+            "limit_us", "limit_busbw", "share"}  # fmt: skip
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -108,9 +109,9 @@ def test_table_and_json(nproc: int, tmp_path: Path) -> None:
     rows = data_rows(p.stdout)
     assert [int(r[0]) for r in rows] == [64, 256, 1024]
     for r in rows:
-        assert len(r) == 9  # size count type redop root time algbw busbw #wrong
-        assert r[2:5] == ["float", "sum", "-1"] and r[8] == "0"
-    assert "avg busbw" in p.stdout and "of memory copy" in p.stdout
+        assert len(r) == 11  # size count type redop root time algbw busbw #wrong lim(us) %lim
+        assert r[2:5] == ["float", "sum", "-1"] and r[8] == "0" and r[10].endswith("%")
+    assert "avg busbw" in p.stdout and "share of the limit" in p.stdout
     assert "[cpu] 3/3" in p.stderr  # progress goes to stderr
     doc = json.loads(out.read_text())
     assert doc["schema"] == br.SCHEMA and doc["engine"] == "cpu"
@@ -118,12 +119,49 @@ def test_table_and_json(nproc: int, tmp_path: Path) -> None:
         assert key in doc["env"]
     assert doc["env"]["world_size"] == nproc
     res = doc["results"]["cpu"]
-    assert res["world"] == nproc and res["copy_GBps"] > 0
+    assert res["world"] == nproc
     assert len(res["rows"]) == 3 and all(set(r) >= ROW_KEYS for r in res["rows"])
     factor = bm.bus_factor("all_reduce", nproc)
     for r in res["rows"]:
         assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
         assert r["busbw"] == pytest.approx(r["algbw"] * factor)
+        # Each row's share of the limit timed at its own size.
+        assert r["limit_us"] > 0 and r["share"] == pytest.approx(r["limit_us"] / r["time_us"])
+
+
+def test_limit_copy_reads_and_writes_the_buffer_in_place() -> None:
+    import numpy as np
+
+    for n in (2, 7, 4096):
+        buf = bm.limit_buffer(n)
+        assert buf.size == n and buf.dtype == np.uint8
+        buf[:] = np.arange(n) % 251
+        bm.limit_copy(buf)  # first half onto the second, then back: the first half survives
+        h = n // 2
+        assert np.array_equal(buf[:h], buf[h : 2 * h])
+
+
+@pytest.mark.timeout(120)
+def test_timed_data_never_overflows() -> None:
+    """The timed calls reduce in place many times: float16 would overflow within 17 sums of
+    growing data (the old RuntimeWarning); the fixed point of the timed data is checked."""
+    p = bench("--nproc", "2", "--dtype", "float16", "-b", "64", "-e", "256", "--iters", "40",
+              "--warmup-iters", "2", "--blocks", "2")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "RuntimeWarning" not in p.stderr and "overflow" not in p.stderr
+    assert [r[8] for r in data_rows(p.stdout)] == ["0", "0"]
+
+
+@pytest.mark.timeout(120)
+def test_busy_main_reports_idle_and_busy() -> None:
+    p = bench("--nproc", "2", "-b", "4K", "-e", "16K", "-f", "4", "--iters", "3", "--blocks",
+              "2", "--busy-main", "--compare", "cpu-zc")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "rank 0 busy in Python" in p.stdout
+    head = next(ln for ln in p.stdout.splitlines() if ln.startswith("#") and "busy/idle" in ln)
+    assert "idle(us)" in head
+    for r in data_rows(p.stdout):
+        assert r[8] == "0" and float(r[11]) > 0 and r[12].endswith("x")
 
 
 @pytest.mark.timeout(240)
@@ -140,6 +178,7 @@ def test_every_op_at_two_ranks(op: str) -> None:
         assert "rounded to a multiple of world size" not in p.stdout  # 24 and 96 divide
     if op in ("all_gather", "reduce_scatter"):
         assert float(rows[0][7]) == pytest.approx(float(rows[0][6]) * 0.5, abs=0.011)
+    assert all(r[10].endswith("%") for r in rows)  # the limit is timed for every op
 
 
 @pytest.mark.timeout(120)
