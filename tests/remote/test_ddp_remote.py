@@ -172,3 +172,26 @@ def test_a_server_killed_mid_step_fails_every_rank_with_remote_connection_error(
     assert f"rank {other} also failed: RemoteConnectionError" in text, text
     assert "still running" not in text
     print(f"spawn returned {took:.2f} s after start")
+
+
+def test_train_ddp_example_runs_its_rank_threads_on_a_remote_server(
+    server_process: Callable[..., ServerProcess], tmp_path: Any
+) -> None:
+    """``examples/train_ddp.py --threads 2 --remote HOST:PORT --token-file F`` trains the
+    main job on the server's two devices."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, env
+
+    server = server_process("--device", "cpu", "--device", "cpu")
+    token = tmp_path / "tok"
+    token.write_text(TOKEN)
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--threads", "2",
+        "--remote", server.address, "--token-file", str(token), "--epochs", "1",
+        "--no-progress", "--checkpoint", str(tmp_path / "c.npz"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "accuracy" in proc.stdout.lower(), proc.stdout
