@@ -195,3 +195,22 @@ def test_train_ddp_example_runs_its_rank_threads_on_a_remote_server(
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "accuracy" in proc.stdout.lower(), proc.stdout
+
+
+def test_a_member_that_never_arrives_poisons_the_others_output_on_the_server(
+    local_server: remote.Server,
+) -> None:
+    """The server's rendezvous does not wait forever: after the record's timeout the tensor
+    of the member that came is poisoned, and its next read says who never arrived."""
+    from remote._client import session_of
+    from remote._wire import OP_CODES
+
+    dev = remote.devices(local_server.address, token=TOKEN)[0]
+    x = tl.tensor(np.ones(4), device=dev).data
+    sess = session_of(dev)
+    # all_reduce (kind 0) SUM #1 of a 2-member group whose member 1 never comes; 0.3 s.
+    args = (x._id, x._id, 1, 2, 1, 0, 2, 0, 0, -1, 0.3)
+    sess.issue(OP_CODES["collective"], 0, x._id, args)
+    with pytest.raises(remote.RemoteOpError, match=r"members \[1\] of 2 never arrived"):
+        x.get()
+    remote.close(dev)
