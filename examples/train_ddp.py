@@ -9,6 +9,10 @@ The same script runs in every configuration:
     # GPU per thread, on NCCL communicators made in this process):
     python examples/train_ddp.py --threads 2
 
+    # 2 rank threads on the devices of a remote server, the gradients averaged on it
+    # (python -m remote serve --device cpu --device cpu --port 3000 --token-file tok):
+    python examples/train_ddp.py --threads 2 --remote gpu-host:3000 --token-file tok
+
     # 2 CPU ranks started by the launcher (torchrun-compatible environment):
     python -m collectives.run --nproc-per-node 2 examples/train_ddp.py
 
@@ -105,6 +109,8 @@ class Config:
     bucket_cap_mb: float = 25.0
     progress: bool = True
     backend: str | None = None  # None: chosen by the library (cpu, or nccl on GPUs)
+    remote: str | None = None  # HOST:PORT of a remote server whose devices the threads use
+    token_file: str | None = None  # its token
 
 
 def rank_device(spec: str, local_rank: int) -> str:
@@ -331,6 +337,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
         "launcher use its --max-restarts)",
     )
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument(
+        "--remote",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --threads N: the ranks run on the first N devices of this remote server "
+        "(python -m remote serve), which averages the gradients",
+    )
+    p.add_argument("--token-file", default=None, metavar="F", help="the remote server's token")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
     if a.threads is not None:
@@ -341,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
         if a.backend not in (None, "threads"):
             p.error(f"--threads runs on the threads backend, not --backend {a.backend}")
         a.nproc, a.backend = a.threads, "threads"
+    if a.remote is not None and a.threads is None:
+        p.error("--remote runs rank threads on the server's devices: give --threads N")
     if a.nproc is not None and a.nproc < 1:
         p.error(f"--nproc must be >= 1, got {a.nproc}")
     if a.checkpoint_every < 0:
@@ -370,8 +386,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None, int]:
         bucket_cap_mb=a.bucket_cap_mb,
         progress=not a.no_progress,
         backend=a.backend,
+        remote=a.remote,
+        token_file=a.token_file,
     )
     return cfg, a.nproc, a.max_restarts
+
+
+def _remote_devices(address: str, token_file: str | None, n: int) -> list[Any]:
+    """The first ``n`` devices of the remote server at ``address``."""
+    import remote  # importing it registers the threads backend's remote engine
+
+    token = Path(token_file).read_text().strip() if token_file else None
+    found = remote.devices(address, token=token)
+    if len(found) < n:
+        raise SystemExit(
+            f"--threads {n}: the remote server {address} hosts {len(found)} device(s); start it "
+            f"with one --device per rank"
+        )
+    return found[:n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         devices = [
             cfg.device if cfg.device != "cuda" else f"cuda:{r % count}" for r in range(nproc)
         ]
+    if cfg.remote is not None and nproc is not None:
+        devices = _remote_devices(cfg.remote, cfg.token_file, nproc)
     parallel_job = collectives.Parallel(
         backend=cfg.backend, nproc_per_node=nproc, max_restarts=max_restarts, devices=devices
     )

@@ -100,6 +100,8 @@ OPS: tuple[str, ...] = (
     # movement and the rest
     "reshape", "transpose", "broadcast_to", "expand_dims", "squeeze", "swapaxes", "getitem",
     "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
+    # collectives among sessions of one server (remote._collective)
+    "collective",
 )  # fmt: skip
 OP_CODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
 BINARY_UFUNCS = OPS[OP_CODES["add"] : OP_CODES["arctan2"] + 1]

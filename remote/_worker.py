@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ._collective import collective_handler
 from ._conn import Framed
 from ._wire import (
     BINARY_UFUNCS,
@@ -167,6 +168,7 @@ class Worker:
         self._failed: list[int] = []
         self._first: Poison | None = None
         self._table = handlers(xp, self._guard)
+        self._table[OP_CODES["collective"]] = collective_handler(self)  # needs the table
         self._array_type = xp.ndarray
         self.queue: queue.Queue[memoryview | None] = queue.Queue(QUEUE_FRAMES)
         self._lock = threading.Lock()

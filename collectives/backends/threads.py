@@ -41,10 +41,12 @@ from ._threads_engines import (
     unregister_engine,
 )
 from ._threads_meet import Meeting
+from ._threads_numpy import NumpyEngine
 
 __all__ = [
     "EngineSpec",
     "Meeting",
+    "NumpyEngine",
     "ThreadEngine",
     "ThreadJob",
     "device_kind",
