@@ -152,6 +152,9 @@ class Backend:
     name = "base"
     #: Whether ``run`` accepts CuPy arrays; otherwise the group stages them through the host.
     accepts_device_arrays = False
+    #: Array types of a registered engine's own devices (a remote device's handles) that the
+    #: group passes through as they are; it asks :meth:`new_array` for their outputs.
+    array_types: tuple[type, ...] = ()
 
     def __init__(self, info: GroupInfo) -> None:
         self.info = info
@@ -184,6 +187,11 @@ class Backend:
         import numpy as np
 
         return np.zeros(shape, dtype=dtype)
+
+    def new_array(self, like: Any, shape: tuple[int, ...]) -> Any:
+        """An output of ``shape`` for one of :attr:`array_types`, on ``like``'s device and of
+        its dtype (only asked for when ``array_types`` is not empty)."""
+        raise NotImplementedError(f"the {self.name} backend makes no arrays of {type(like)}")
 
     def abort(self, reason: CollectiveError) -> None:
         """Mark the group broken so that later calls fail at once with ``reason``."""

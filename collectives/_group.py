@@ -122,7 +122,7 @@ class ProcessGroup:
             arr, kind = x, "numpy"
         elif _is_cupy(x):
             arr, kind = x, "cupy"
-        elif isinstance(x, getattr(self.backend, "array_types", ())):
+        elif isinstance(x, self.backend.array_types):
             arr, kind = x, "engine"  # an engine's own arrays (e.g. remote devices'), as they are
         else:
             raise TypeError(
@@ -189,7 +189,7 @@ class ProcessGroup:
         if isinstance(src.array, np.ndarray):
             return np.empty(shape, dtype=src.array.dtype)
         if not _is_cupy(src.array):  # an engine's own arrays: it makes them on their device
-            return self.backend.new_array(src.array, shape)  # type: ignore[attr-defined]
+            return self.backend.new_array(src.array, shape)
         # On the input's GPU, not the calling thread's current one (CuPy allocates there).
         with src.array.device:
             return type(src.array)(shape, dtype=src.array.dtype)
