@@ -22,13 +22,11 @@ from .conftest import TOKEN, ServerProcess
 
 B = 8  # per-rank batch
 STEPS = 4
-_SEEDED = threading.Lock()  # rank threads share the global generator: one init at a time
 
 
 def _model() -> nn.Module:
-    with _SEEDED:
-        tl.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 32)).to(tl.float64)
+    tl.manual_seed(0)  # in a rank thread: that thread's own default generator
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 32)).to(tl.float64)
 
 
 def _data(steps: int, n: int) -> tuple[np.ndarray, np.ndarray]:
