@@ -53,12 +53,15 @@ __all__ = ["Session"]
 
 # A frame goes out once it holds this many records or bytes (or at a read).
 FLUSH_RECORDS = 64
+# The first frame after a wait goes out sooner: the server, idle since its reply, starts on
+# it while this process builds the rest of the step (the two run side by side).
+FLUSH_FIRST = 8
 FLUSH_BYTES = 1 << 20
 _LIB_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
     for m in (tensorlib, sys.modules[__package__])
 )
-_is_lib: dict[Any, bool] = {}
+_is_lib: dict[str, bool] = {}  # by file name
 _HEAD = RECORD_HEAD.pack
 _REF = struct.Struct("<BI").pack
 _FLOAT = struct.Struct("<Bd").pack
@@ -97,6 +100,7 @@ class Session:
         self._nbuf = 0
         self._bytes = 0
         self._waits = 0  # READ and SYNC records in the buffer
+        self._flush_at = FLUSH_FIRST  # records that make a frame go out
         self._ids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._seq = 0  # records sent so far
@@ -117,10 +121,10 @@ class Session:
         f: Any = sys._getframe(1)
         is_lib = _is_lib
         while f is not None:
-            c = f.f_code
-            lib = is_lib.get(c)
+            name = f.f_code.co_filename  # a str: its hash is cached (a code object's is not)
+            lib = is_lib.get(name)
             if lib is None:
-                lib = is_lib[c] = c.co_filename.startswith(_LIB_DIRS)
+                lib = is_lib[name] = name.startswith(_LIB_DIRS)
             if not lib:
                 break
             f = f.f_back
@@ -143,7 +147,7 @@ class Session:
                 self._bytes += len(parts[-1])  # an array's data comes last
                 self._sites.append(site)
             self.ops += 1
-            if self._nbuf >= FLUSH_RECORDS or self._bytes >= FLUSH_BYTES:
+            if self._nbuf >= self._flush_at or self._bytes >= FLUSH_BYTES:
                 self._flush()
 
     def issue_new(
@@ -193,6 +197,7 @@ class Session:
             return
         payload = RECORDS_HEAD.pack(RECORDS, self._waits, self._nbuf) + b"".join(self._parts)
         self._waits = 0
+        self._flush_at = FLUSH_RECORDS
         self._seq += self._nbuf
         self._parts.clear()
         self._nbuf = 0
@@ -242,6 +247,7 @@ class Session:
 
     def _round_trip(self, req: int) -> Reader:
         self._flush()
+        self._flush_at = FLUSH_FIRST
         self.round_trips += 1
         framed = self._framed
         assert framed is not None

@@ -152,6 +152,8 @@ _HELLO_HEAD = struct.Struct(f"<BBH{NONCE_BYTES}sB")
 REPLY_HEAD = struct.Struct("<BIB")
 _ERROR_HEAD = struct.Struct("<QH")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_I64_AT, _F64_AT, _U32_AT = I64.unpack_from, F64.unpack_from, U32.unpack_from
+_SMALL = (None, False, True)
 
 
 class ProtocolError(Exception):
@@ -301,19 +303,28 @@ class Reader:
 
     def value(self, depth: int = 0) -> Any:
         """The next value (REF as :class:`Ref`, ARRAY as a fresh NumPy array)."""
-        tag = self.u8()
-        if tag == T_REF:
-            return Ref(self.u32())
-        if tag == T_INT:
-            return int(self.unpack(I64)[0])
-        if tag == T_FLOAT:
-            return float(self.unpack(F64)[0])
+        buf, pos = self.buf, self.pos
+        if pos >= len(buf):
+            raise ProtocolError(f"truncated frame: wanted a value at offset {pos}")
+        tag = buf[pos]
         if tag <= T_TRUE:
-            return (None, False, True)[tag]
+            self.pos = pos + 1
+            return _SMALL[tag]
+        if tag in (T_INT, T_FLOAT, T_REF):
+            size = 5 if tag == T_REF else 9
+            if pos + size > len(buf):
+                raise ProtocolError(f"truncated frame: wanted {size} bytes at offset {pos}")
+            self.pos = pos + size
+            if tag == T_INT:
+                return _I64_AT(buf, pos + 1)[0]
+            if tag == T_FLOAT:
+                return _F64_AT(buf, pos + 1)[0]
+            return Ref(_U32_AT(buf, pos + 1)[0])
+        self.pos = pos + 1
         if tag == T_TUPLE:
             if depth >= MAX_NEST:
                 raise ProtocolError("values nested too deep")
-            return tuple(self.value(depth + 1) for _ in range(self.u16()))
+            return tuple([self.value(depth + 1) for _ in range(self.u16())])
         if tag == T_SLICE:
             parts = [self.value(depth + 1) for _ in range(3)]
             if any(p is not None and type(p) is not int for p in parts):

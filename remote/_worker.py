@@ -1,17 +1,17 @@
 """The server's side of one session: its table of arrays, run in order on one thread.
 
-A session is one client connection to one device. Its frames (received by the connection's
-thread, ``_server``) wait in a bounded queue; the session's worker thread, bound to the
-device, reads each frame's records and runs them one by one through the fixed op table
-(``_ops.handlers``). An op that fails poisons its result (and what is computed from it
-later); the first failure since the last reply is reported with the next reply. Arrays are
-counted by the buffer they own (a view costs nothing more) against ``max_session_bytes``.
+A session is one client connection to one device. The connection's thread (``_server``),
+bound to the device once the handshake is done, receives each frame, reads its records and
+runs them one by one through the fixed op table (``_ops.handlers``). An op that fails
+poisons its result (and what is computed from it later); the first failure since the last
+reply is reported with the next reply. Arrays are counted by the buffer they own (a view
+costs nothing more) against ``max_session_bytes``.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -44,9 +44,6 @@ from ._wire import (
 
 __all__ = ["Worker"]
 
-# Frames a session may have waiting: a client that sends faster than its device computes
-# blocks (TCP backpressure) instead of growing the server's memory.
-QUEUE_FRAMES = 16
 _SMALL = (None, False, True)
 
 
@@ -65,14 +62,16 @@ class _PoisonedError(Exception):
 
 
 class Worker:
-    """One session: its table, its queue of frames, and the thread that runs them.
+    """One session: its table, and the loop that receives and runs its frames.
 
     Attributes:
         bytes: what its arrays hold now.
         waiting: replies due (the heartbeat thread keeps the client posted while > 0).
+        busy_since: when the frame being run started (None between frames): a frame that
+            runs long gets heartbeats too, since the client may be waiting on a later one.
     """
 
-    def __init__(self, framed: Framed, xp: Any, device: Any, limit: int | None, name: str) -> None:
+    def __init__(self, framed: Framed, xp: Any, device: Any, limit: int | None) -> None:
         self.framed = framed
         self.xp = xp
         self.device = device
@@ -82,38 +81,47 @@ class Worker:
         self._buffers: dict[int, list[Any]] = {}  # key -> [users, nbytes, the buffer]
         self.bytes = 0
         self.waiting = 0
+        self.busy_since: float | None = None
         self.closed = False
         self._seq = 0
         self._failed: list[int] = []
         self._first: Poison | None = None
         self._table = handlers(xp, self._guard)
         self._array_type = xp.ndarray
-        self.queue: queue.Queue[memoryview | None] = queue.Queue(QUEUE_FRAMES)
         self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
 
-    def add_waiting(self, n: int) -> None:
-        with self._lock:
-            self.waiting += n
+    def run(self) -> None:
+        """Receive the session's frames and run them, on the calling thread (the
+        connection's), until the client goes or the server closes; then free the session.
 
-    def _main(self) -> None:
+        One thread does it all, so no frame waits for a hand-over between threads (nor the
+        GIL to change hands). What waits is bounded by the kernel's socket buffers: a client
+        faster than its device blocks in its send (TCP backpressure); the server's memory
+        does not grow.
+        """
         if self.device is not None:
             self.device.__enter__()  # this thread's current GPU
         try:
-            while True:
-                frame = self.queue.get()
-                if frame is None or self.closed:
-                    break
-                self._frame(frame)
-        except (OSError, ProtocolError):  # a malformed frame, or the client went away
-            self.framed.close()  # the connection's thread sees it and frees the session
+            while not self.closed:
+                payload = self.framed.recv()
+                if len(payload) < RECORDS_HEAD.size:
+                    raise ProtocolError("a frame too short for records")
+                waits = RECORDS_HEAD.unpack_from(payload)[1]
+                if waits:
+                    self.add_waiting(waits)
+                self.busy_since = time.monotonic()
+                self._frame(payload)
+                self.busy_since = None
         finally:
             self.closed = True
             self.table.clear()
             self._owner.clear()
             self._buffers.clear()
             self.bytes = 0
+
+    def add_waiting(self, n: int) -> None:
+        with self._lock:
+            self.waiting += n
 
     # ------------------------------------------------------------------ one frame
     def _frame(self, payload: memoryview) -> None:
@@ -212,6 +220,17 @@ class Worker:
                     result = self.xp.asarray(result)
                 else:
                     raise TypeError(f"op {OPS[op]!r} produced a {type(result).__name__}")
+            if result.base is None and oid not in self.table:  # _store's common case
+                key = id(result)
+                if key not in self._buffers:
+                    nbytes = result.nbytes
+                    if self.limit is not None:
+                        self._guard(nbytes)
+                    self._buffers[key] = [1, nbytes, result]
+                    self.bytes += nbytes
+                    self.table[oid] = result
+                    self._owner[oid] = key
+                    return
             self._store(oid, result)
         except _PoisonedError as p:
             self._poison(oid, p.poison)
