@@ -34,26 +34,7 @@ def code(name: str) -> int:
 
 
 _TRANSPOSE, _MATMUL = OP_CODES["transpose"], OP_CODES["matmul"]
-# Inferred results by signature (op, input shapes and dtypes, arguments): a training loop
-# issues the same few signatures every step, so inference runs once for each.
-_memo: dict[Any, Any] = {}
-_MEMO_MAX = 1 << 14
-
-
-def _memo_get(key: Any) -> Any:
-    try:
-        return _memo.get(key)
-    except TypeError:  # an unhashable argument (a list): not cached
-        return None
-
-
-def _memo_put(key: Any, value: Any) -> None:
-    if len(_memo) >= _MEMO_MAX:  # shapes that never repeat: start over, never grow
-        _memo.clear()
-    try:
-        _memo[key] = value
-    except TypeError:
-        pass
+_memo_get, _memo_put = _infer.memo_get, _infer.memo_put
 
 
 class _Flags:
