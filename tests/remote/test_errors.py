@@ -212,3 +212,22 @@ def test_a_device_of_a_server_not_reached_is_a_clear_error() -> None:
         tl.device("remote://10.9.9.9:1/0")
     with pytest.raises(remote.RemoteConnectionError, match="cannot reach"):
         remote.devices("127.0.0.1:1", token=TOKEN)
+
+
+def test_a_read_behind_a_long_frame_gets_heartbeats_not_a_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from remote import _server
+
+    monkeypatch.setattr(_server, "HEARTBEAT_S", 0.05)
+    with remote.serve(["cpu"], token=TOKEN) as server:
+        dev = remote.devices(server.address, token=TOKEN, timeout=0.4)[0]
+        sess = _client.session_of(dev)
+        a = dev.xp.asarray(np.ones((700, 700)))
+        for _ in range(20):  # ~1 s of matmuls in one frame, longer than the timeout
+            a = (a @ a) * (1 / 700)
+        sess.flush()  # the read goes in a later frame, not yet received while they run
+        start = time.monotonic()
+        assert np.isfinite(a.get()).all()  # a busy server is told from a dead one
+        assert time.monotonic() - start > 0.4
+        remote.close(dev)
