@@ -1,8 +1,10 @@
 """The remote wire protocol: its specification, the fixed op table, and the one codec.
 
-Both ends build and parse every message here; nothing from the wire is unpickled, evaluated
-or looked up by name: an op is a number that indexes :data:`OPS`, a dtype a number that
-indexes :data:`DTYPES`. A reviewer auditing the format needs only this file.
+Both ends build and parse every message with what is here; nothing from the wire is
+unpickled, evaluated or looked up by name: an op is a number that indexes :data:`OPS`, a
+dtype a number that indexes :data:`DTYPES`. A reviewer auditing the format needs this file,
+and ``_worker.Worker._frame``: the server's hot loop, which reads the common values of a
+record inline with these structs and every other value through :meth:`Reader.value`.
 
 Frames
 ------
@@ -39,8 +41,8 @@ status u32 n`` + ``n`` u64 seqs of the ops that failed since the last reply (``s
 the session's records from 0), then for ``OK`` a READ's ARRAY value, for ``OP_ERROR`` ``u64
 seq u16 op str message``: the first op that failed since the last reply, or the one that
 poisoned the array read (UPLOAD puts its ARRAY argument in the table). HEARTBEAT (0x13)
-frames come once a second while a reply is due, so a client tells a busy server from a dead
-one.
+frames come once a second while a reply is due or a frame has run for over a second (a read
+may wait behind it, not yet received), so a client tells a busy server from a dead one.
 
 DROP with no values frees ``out``; with one IDS value it frees those ids (``out`` unused): a
 frame's frees go as one record.
