@@ -7,7 +7,11 @@ The model is the one tests/remote trains (64-128-128-10, ReLU, cross-entropy, Ad
 float64, batch 64). Local and remote steps alternate in rounds (ABAB...) so that noise from
 a shared machine hits both; read the ratio of medians. Also printed: round trips per step
 (``remote.stats``), records sent per step, and the client's cost per op (issuing 20,000
-``a + b`` on remote arrays, which never waits, against the same on NumPy arrays).
+``a + b`` on remote arrays, which never waits, against the same on NumPy arrays), and where
+the time goes: CPU seconds a step in this process (local steps, remote steps) and in the
+server process (Linux ``/proc``), so a ratio measured on a busy machine can be read against
+the work each side does. Set ``OPENBLAS_NUM_THREADS`` (both processes inherit it) to compare
+BLAS thread settings.
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ class _Trainer:
         self.device, self.x, self.y = device, x, y
         self.rng = np.random.default_rng(1)
 
-    def step(self) -> float:
-        t0 = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """One step: (wall seconds, this thread's CPU seconds)."""
+        c0, t0 = time.thread_time(), time.perf_counter()
         idx = self.rng.integers(0, len(self.x), 64)
         xb = tl.tensor(self.x[idx], device=self.device)
         yb = tl.tensor(self.y[idx], device=self.device)
@@ -67,10 +72,10 @@ class _Trainer:
         loss.backward()
         self.opt.step()
         loss.item()  # the step's one wait
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def _start_server() -> tuple[subprocess.Popen[str], str]:
+def _start_server(own_session: bool = True) -> tuple[subprocess.Popen[str], str]:
     fd, token_file = tempfile.mkstemp(prefix="remote-token-")
     with os.fdopen(fd, "w") as f:
         f.write(TOKEN)
@@ -78,6 +83,9 @@ def _start_server() -> tuple[subprocess.Popen[str], str]:
         [sys.executable, "-m", "remote", "serve", "--device", "cpu", "--token-file", token_file],
         stdout=subprocess.PIPE,
         text=True,
+        # Its own session, as a service started on its own is: Linux's autogroup scheduling
+        # then gives it its own CPU share instead of splitting this process's with it.
+        start_new_session=own_session,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -86,6 +94,16 @@ def _start_server() -> tuple[subprocess.Popen[str], str]:
         proc.kill()
         raise SystemExit(f"the server did not start: {line!r}")
     return proc, line.split()[-1]
+
+
+def _cpu_of(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used so far, or None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _per_op(dev: tl.Device, n: int = 20_000) -> tuple[float, float]:
@@ -113,8 +131,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--ops", type=int, default=20_000, help="additions timed for the per-op cost")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--same-session",
+        action="store_true",
+        help="run the server in this process's session (its CPU share, with autogroup "
+        "scheduling, is then shared with this process's)",
+    )
     args = p.parse_args(argv)
-    proc, address = _start_server()
+    proc, address = _start_server(own_session=not args.same_session)
     try:
         dev = remote.devices(address, token=TOKEN)[0]
         x, y = _data()
@@ -122,10 +146,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.warmup):
             local.step(), far.step()
         before = remote.stats(dev)
-        t_local, t_remote = [], []
+        t_local, t_remote, c_local, c_remote = [], [], 0.0, 0.0
+        s0 = _cpu_of(proc.pid)
         for _ in range(args.steps):
-            t_local.append(local.step())
-            t_remote.append(far.step())
+            wall, cpu = local.step()
+            t_local.append(wall)
+            c_local += cpu
+            wall, cpu = far.step()
+            t_remote.append(wall)
+            c_remote += cpu
+        s1 = _cpu_of(proc.pid)
         after = remote.stats(dev)
         issue, numpy_op = _per_op(dev, args.ops)
     finally:
@@ -141,6 +171,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bytes_sent_per_step": (after["bytes_sent"] - before["bytes_sent"]) / args.steps,
         "client_us_per_op": issue,
         "numpy_us_per_op": numpy_op,
+        "local_cpu_ms": c_local / args.steps * 1e3,
+        "client_cpu_ms": c_remote / args.steps * 1e3,
+        # the server process's CPU over the timed loop, all of it spent on the remote steps
+        "server_cpu_ms": None if s0 is None or s1 is None else (s1 - s0) / args.steps * 1e3,
+        "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+        "server_session": "same" if args.same_session else "own",
     }
     rt, ops, sent = out["round_trips_per_step"], out["records_per_step"], out["bytes_sent_per_step"]
     print(
@@ -151,6 +187,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"client cost per op (a + b, 64x128 float64): remote {issue:.2f} us, "
         f"NumPy computing it {numpy_op:.2f} us"
+    )
+    server = "?" if out["server_cpu_ms"] is None else f"{out['server_cpu_ms']:.2f}"
+    print(
+        f"CPU ms per step: local {out['local_cpu_ms']:.2f}; remote: client "
+        f"{out['client_cpu_ms']:.2f} + server {server} "
+        f"(OPENBLAS_NUM_THREADS={out['openblas_threads']})"
     )
     if args.json:
         with open(args.json, "w") as f:

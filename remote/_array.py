@@ -33,6 +33,10 @@ def code(name: str) -> int:
     return OP_CODES[name]
 
 
+_TRANSPOSE, _MATMUL = OP_CODES["transpose"], OP_CODES["matmul"]
+_memo_get, _memo_put = _infer.memo_get, _infer.memo_put
+
+
 class _Flags:
     __slots__ = ("c_contiguous",)
 
@@ -317,6 +321,18 @@ class RemoteArray(Handle):
         return self.copy().reshape(-1)
 
     def transpose(self, *axes: Any) -> RemoteArray:
+        key = ("transpose", self.shape, axes, self._contig)
+        hit = _memo_get(key)
+        if hit is None:
+            hit = self._transpose_infer(axes)
+            _memo_put(key, hit)
+        perm, shape, contig = hit
+        return self._sess.issue_new(
+            _TRANSPOSE, (self, perm), shape, self.dtype, view_of=self, contig=contig
+        )
+
+    def _transpose_infer(self, axes: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(the permutation, the result's shape, whether it is C-contiguous)."""
         if len(axes) == 1 and axes[0] is not None and not isinstance(axes[0], int | np.integer):
             axes = tuple(axes[0])
         if not axes or axes == (None,):
@@ -328,9 +344,7 @@ class RemoteArray(Handle):
         contig = self._contig and (
             sum(1 for d in self.shape if d != 1) <= 1 or perm == tuple(range(self.ndim))
         )
-        return self._sess.issue_new(
-            code("transpose"), (self, perm), shape, self.dtype, view_of=self, contig=contig
-        )
+        return perm, shape, contig
 
     def swapaxes(self, a: int, b: int) -> RemoteArray:
         perm = list(range(self.ndim))
@@ -431,6 +445,10 @@ def binary(name: str, a: Any, b: Any) -> Any:
             _session_of(a, b)
         shape = a.shape if a.shape == b.shape else _infer.broadcast(a.shape, b.shape)
         key = (name, a.dtype, b.dtype)
+    elif ta is RemoteArray and tb in _NUMBER:  # array and Python number: weak (NEP 50)
+        sess, shape, key = a._sess, a.shape, (name, a.dtype, tb)
+    elif tb is RemoteArray and ta in _NUMBER:
+        sess, shape, key = b._sess, b.shape, (name, ta, b.dtype)
     else:
         if not _operand(a) or not _operand(b):
             return NotImplemented
@@ -507,6 +525,24 @@ _REDUCE_FN = {
 
 def reduce(name: str, a: RemoteArray, axis: Any, keepdims: bool, dtype: Any, out: Any) -> Any:
     """The reduction ``name`` of ``a`` over ``axis`` (into ``out`` when given)."""
+    key = (name, a.shape, a.dtype, axis, type(axis), keepdims, dtype)
+    hit = _memo_get(key)
+    if hit is None:
+        hit = _reduce_infer(name, a, axis, keepdims, dtype)
+        _memo_put(key, hit)
+    tail, shape, dt = hit
+    if out is not None:
+        if type(out) is not RemoteArray or out.shape != shape:
+            raise ValueError(f"{name}: out must be a remote array of shape {shape}")
+        a._sess.issue(OP_CODES[name], FLAG_OUT, out._id, (a, *tail))
+        return out
+    return a._sess.issue_new(OP_CODES[name], (a, *tail), shape, dt)
+
+
+def _reduce_infer(
+    name: str, a: RemoteArray, axis: Any, keepdims: bool, dtype: Any
+) -> tuple[tuple[Any, ...], tuple[int, ...], np.dtype[Any]]:
+    """(the record's values after ``a``, the result's shape, its dtype)."""
     if name in ("argmax", "argmin") and isinstance(axis, tuple | list):
         raise TypeError(f"{name}: axis must be an int or None")
     dt_arg = None if dtype is None else np.dtype(dtype)
@@ -520,18 +556,23 @@ def reduce(name: str, a: RemoteArray, axis: Any, keepdims: bool, dtype: Any, out
         if axis is None
         else (int(axis) if isinstance(axis, int | np.integer) else tuple(int(i) for i in axis))
     )
-    args = (a, axis_arg, bool(keepdims), dt_arg)
-    sess = a._sess
-    if out is not None:
-        if type(out) is not RemoteArray or out.shape != shape:
-            raise ValueError(f"{name}: out must be a remote array of shape {shape}")
-        sess.issue(code(name), FLAG_OUT, out._id, args)
-        return out
-    return sess.issue_new(code(name), args, shape, dt)
+    return (axis_arg, bool(keepdims), dt_arg), shape, dt
 
 
 def matmul(a: Any, b: Any, out: RemoteArray | None = None) -> Any:
     """``a @ b`` with NumPy's rules (into ``out`` when given)."""
+    if type(a) is RemoteArray and type(b) is RemoteArray and out is None:
+        key = ("matmul", a.shape, b.shape, a.dtype, b.dtype)
+        hit = _memo_get(key)
+        if hit is not None and a._sess is b._sess:
+            return a._sess.issue_new(_MATMUL, (a, b), *hit)
+        res = _matmul(a, b, out)
+        _memo_put(key, (res.shape, res.dtype))
+        return res
+    return _matmul(a, b, out)
+
+
+def _matmul(a: Any, b: Any, out: RemoteArray | None = None) -> Any:
     if not _operand(a) or not _operand(b) or type(a) in _NUMBER or type(b) in _NUMBER:
         return NotImplemented
     sess = _session_of(a, b)

@@ -11,12 +11,14 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 import tensorlib as tl
 
+from . import _fused
 from ._array import RemoteArray
 from ._conn import Framed, tune
 from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError
@@ -252,6 +254,7 @@ class RemoteKind:
     """The ``remote`` device kind registered with tensorlib."""
 
     type = "remote"
+    fused_ops = MappingProxyType({"adam": _fused.adam})
 
     def parse(self, spec: str) -> tuple[str, int]:
         m = re.fullmatch(r"remote://(.+):(\d+)/(\d+)", spec)

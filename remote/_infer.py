@@ -20,6 +20,8 @@ __all__ = [
     "dtype_by_example",
     "index_shape",
     "matmul_shape",
+    "memo_get",
+    "memo_put",
     "reduce_shape",
     "reshape_shape",
     "ufunc_dtype",
@@ -53,6 +55,30 @@ def broadcast(*shapes: Shape) -> Shape:
                     dim = d
         out.append(dim)
     return tuple(out)
+
+
+# Inferred results by signature (op, input shapes and dtypes, arguments): a training loop
+# issues the same few signatures every step, so inference runs once for each.
+_memo: dict[Any, Any] = {}
+_MEMO_MAX = 1 << 14
+
+
+def memo_get(key: Any) -> Any:
+    """What :func:`memo_put` stored under ``key`` (None: nothing, or an unhashable key)."""
+    try:
+        return _memo.get(key)
+    except TypeError:  # an unhashable argument (a list): not cached
+        return None
+
+
+def memo_put(key: Any, value: Any) -> None:
+    """Remember an inferred result under its signature ``key``."""
+    if len(_memo) >= _MEMO_MAX:  # shapes that never repeat: start over, never grow
+        _memo.clear()
+    try:
+        _memo[key] = value
+    except TypeError:
+        pass
 
 
 # Callers may cache under their own keys here (name and operand kinds).

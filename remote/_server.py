@@ -1,8 +1,8 @@
 """The server: ``serve`` hosts devices; each connection is one session on one device.
 
-Threads: one accepts; one per connection does the handshake and then decodes that session's
-frames into its worker's bounded queue (``_worker``); one worker per session runs them on
-its device; one sends heartbeats to clients that wait for a reply. A malformed frame or a
+Threads: one accepts; one per connection does the handshake and then receives and runs that
+session's frames on its device (``_worker``); one sends heartbeats to clients that may be
+waiting for a reply. A malformed frame or a
 failed tag closes that one connection (its session is freed); the others go on.
 """
 
@@ -14,6 +14,7 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Sequence
 
 import tensorlib as tl
@@ -31,8 +32,6 @@ from ._wire import (
     MAX_HELLO_FRAME,
     NONCE_BYTES,
     PROTOCOL_VERSION,
-    RECORDS,
-    RECORDS_HEAD,
     REFUSED_AUTH,
     REFUSED_DEVICE,
     REFUSED_PROTOCOL,
@@ -56,6 +55,13 @@ __all__ = ["Server", "serve"]
 HANDSHAKE_TIMEOUT = 10.0
 HEARTBEAT_S = 1.0
 MAX_CONNECTIONS = 64
+
+
+def _due(w: Worker, now: float) -> bool:
+    """Whether a session's client may be waiting: a reply is due, or a frame runs so long
+    that a read may sit behind it, not yet received."""
+    busy = w.busy_since
+    return w.waiting > 0 or (busy is not None and now - busy >= HEARTBEAT_S)
 
 
 def _is_loopback(host: str) -> bool:
@@ -134,6 +140,8 @@ class Server:
             pass
         with self._lock:
             conns = list(self._conns)
+            for w in self._workers:
+                w.closed = True  # each stops between two records
         for c in conns:
             c.close()
         for t in self._threads:
@@ -158,8 +166,9 @@ class Server:
     def _heartbeats(self) -> None:
         beat = U8.pack(HEARTBEAT)
         while not self._closed.wait(HEARTBEAT_S):
+            now = time.monotonic()
             with self._lock:
-                workers = [w for w in self._workers if w.waiting > 0 and not w.closed]
+                workers = [w for w in self._workers if not w.closed and _due(w, now)]
             for w in workers:
                 try:
                     w.framed.send(beat)
@@ -185,22 +194,16 @@ class Server:
             sock.settimeout(None)
             index = device
             dev = self._devices[index]
-            worker = Worker(
-                framed, dev.xp, dev if dev.type == "cuda" else None, self._limit,
-                name=f"remote-session-{self.specs[index]}",
-            )  # fmt: skip
+            worker = Worker(framed, dev.xp, dev if dev.type == "cuda" else None, self._limit)
             with self._lock:
                 self._workers.add(worker)
-            self._serve_records(framed, worker)
+            if not self._closed.is_set():
+                worker.run()
         except (OSError, EOFError, ProtocolError, ssl.SSLError, ValueError):
             pass  # a broken or hostile connection: drop it, serve the others
         finally:
             if worker is not None:
                 worker.closed = True
-                try:
-                    worker.queue.put_nowait(None)
-                except Exception:  # a full queue: the worker sees `closed` between records
-                    pass
                 with self._lock:
                     self._workers.discard(worker)
             if framed is not None:
@@ -244,20 +247,6 @@ class Server:
             parts += [U32.pack(len(data)), data]
         framed.send(b"".join(parts))
         return None
-
-    def _serve_records(self, framed: Framed, worker: Worker) -> None:
-        # Only receive here: the worker decodes, so one thread does the session's Python
-        # work (two would hand the GIL to and fro on every frame).
-        while not self._closed.is_set() and not worker.closed:
-            payload = framed.recv()
-            if len(payload) < RECORDS_HEAD.size:
-                raise ProtocolError("a frame too short for records")
-            kind, waits, _ = RECORDS_HEAD.unpack_from(payload)
-            if kind != RECORDS:
-                raise ProtocolError("a session may only send records")
-            if waits:
-                worker.add_waiting(waits)
-            worker.queue.put(payload)  # blocks when the worker is behind: backpressure
 
 
 def serve(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import struct
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -34,9 +35,12 @@ from ._wire import (
     REPLY,
     REPLY_HEAD,
     SYNC,
+    T_FLOAT,
+    T_REF,
     U64,
     ProtocolError,
     Reader,
+    ids_value,
     put,
     read_error,
 )
@@ -49,34 +53,28 @@ __all__ = ["Session"]
 
 # A frame goes out once it holds this many records or bytes (or at a read).
 FLUSH_RECORDS = 64
+# The first frame after a wait goes out sooner: the server, idle since its reply, starts on
+# it while this process builds the rest of the step (the two run side by side).
+FLUSH_FIRST = 8
 FLUSH_BYTES = 1 << 20
 _LIB_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
     for m in (tensorlib, sys.modules[__package__])
 )
-_is_lib: dict[Any, bool] = {}
-
-
-def _site() -> tuple[Any, int] | None:
-    """(code, line) of the first caller outside tensorlib and remote: where the user issued
-    the op. A few dict lookups, since every op pays for it."""
-    f: Any = sys._getframe(2)
-    while f is not None:
-        c = f.f_code
-        lib = _is_lib.get(c)
-        if lib is None:
-            lib = _is_lib[c] = c.co_filename.startswith(_LIB_DIRS)
-        if not lib:
-            return c, f.f_lineno
-        f = f.f_back
-    return None
+_is_lib: dict[str, bool] = {}  # by file name
+_HEAD = RECORD_HEAD.pack
+_REF = struct.Struct("<BI").pack
+_FLOAT = struct.Struct("<Bd").pack
 
 
 def _describe_site(site: tuple[Any, int] | None) -> str:
+    """``file:line in function`` of a site as ``issue`` records it (code, bytecode offset):
+    the line is looked up only here, when an op failed."""
     if site is None:
         return "?"
-    c, line = site
-    return f"{c.co_filename}:{line} in {c.co_name}"
+    c, lasti = site
+    line = next((ln for start, end, ln in c.co_lines() if start <= lasti < end), None)
+    return f"{c.co_filename}:{line if line is not None else '?'} in {c.co_name}"
 
 
 class Session:
@@ -102,6 +100,7 @@ class Session:
         self._nbuf = 0
         self._bytes = 0
         self._waits = 0  # READ and SYNC records in the buffer
+        self._flush_at = FLUSH_FIRST  # records that make a frame go out
         self._ids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._seq = 0  # records sent so far
@@ -113,21 +112,42 @@ class Session:
 
     # ------------------------------------------------------------------ issuing
     def issue(self, op: int, flags: int, out: int, args: tuple[Any, ...]) -> None:
-        """Queue one record (its result id ``out`` is the caller's)."""
-        site = _site()
-        parts = [RECORD_HEAD.pack(op, flags, out, len(args))]
+        """Queue one record (its result id ``out`` is the caller's).
+
+        Every op runs this, so it is written for speed: the call site (the first frame
+        outside tensorlib and remote, kept as code and bytecode offset; its line is looked
+        up only if the op fails) and the common values are encoded inline.
+        """
+        f: Any = sys._getframe(1)
+        is_lib = _is_lib
+        while f is not None:
+            name = f.f_code.co_filename  # a str: its hash is cached (a code object's is not)
+            lib = is_lib.get(name)
+            if lib is None:
+                lib = is_lib[name] = name.startswith(_LIB_DIRS)
+            if not lib:
+                break
+            f = f.f_back
+        site = None if f is None else (f.f_code, f.f_lasti)
+        parts = [_HEAD(op, flags, out, len(args))]
         for a in args:
-            put(parts, a)
+            t = type(a)
+            if t is RemoteArray:
+                parts.append(_REF(T_REF, a._id))
+            elif t is float:
+                parts.append(_FLOAT(T_FLOAT, a))
+            else:
+                put(parts, a)
         with self._lock:
             if self._dead is not None or self._framed is None:
                 self._append(parts, site)
-            else:  # _append, inlined: this runs for every op
+            else:  # _append, inlined
                 self._parts += parts
                 self._nbuf += 1
                 self._bytes += len(parts[-1])  # an array's data comes last
                 self._sites.append(site)
             self.ops += 1
-            if self._nbuf >= FLUSH_RECORDS or self._bytes >= FLUSH_BYTES:
+            if self._nbuf >= self._flush_at or self._bytes >= FLUSH_BYTES:
                 self._flush()
 
     def issue_new(
@@ -168,14 +188,16 @@ class Session:
 
     def _flush(self) -> None:
         drops = self.drops
-        while drops:
-            self._parts.append(RECORD_HEAD.pack(DROP, 0, drops.popleft(), 0))
+        if drops:  # one record frees them all
+            ids = [drops.popleft() for _ in range(len(drops))]
+            self._parts += (RECORD_HEAD.pack(DROP, 0, 0, 1), ids_value(ids))
             self._nbuf += 1
             self._sites.append(None)
         if not self._nbuf or self._framed is None:
             return
         payload = RECORDS_HEAD.pack(RECORDS, self._waits, self._nbuf) + b"".join(self._parts)
         self._waits = 0
+        self._flush_at = FLUSH_RECORDS
         self._seq += self._nbuf
         self._parts.clear()
         self._nbuf = 0
@@ -225,6 +247,7 @@ class Session:
 
     def _round_trip(self, req: int) -> Reader:
         self._flush()
+        self._flush_at = FLUSH_FIRST
         self.round_trips += 1
         framed = self._framed
         assert framed is not None

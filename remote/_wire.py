@@ -1,8 +1,10 @@
 """The remote wire protocol: its specification, the fixed op table, and the one codec.
 
-Both ends build and parse every message here; nothing from the wire is unpickled, evaluated
-or looked up by name: an op is a number that indexes :data:`OPS`, a dtype a number that
-indexes :data:`DTYPES`. A reviewer auditing the format needs only this file.
+Both ends build and parse every message with what is here; nothing from the wire is
+unpickled, evaluated or looked up by name: an op is a number that indexes :data:`OPS`, a
+dtype a number that indexes :data:`DTYPES`. A reviewer auditing the format needs this file,
+and ``_worker.Worker._frame``: the server's hot loop, which reads the common values of a
+record inline with these structs and every other value through :meth:`Reader.value`.
 
 Frames
 ------
@@ -39,13 +41,24 @@ status u32 n`` + ``n`` u64 seqs of the ops that failed since the last reply (``s
 the session's records from 0), then for ``OK`` a READ's ARRAY value, for ``OP_ERROR`` ``u64
 seq u16 op str message``: the first op that failed since the last reply, or the one that
 poisoned the array read (UPLOAD puts its ARRAY argument in the table). HEARTBEAT (0x13)
-frames come once a second while a reply is due, so a client tells a busy server from a dead
-one.
+frames come once a second while a reply is due or a frame has run for over a second (a read
+may wait behind it, not yet received), so a client tells a busy server from a dead one.
+
+DROP with no values frees ``out``; with one IDS value it frees those ids (``out`` unused): a
+frame's frees go as one record.
+
+ADAM (``out`` unused, ``flags`` 0) is one fused Adam/AdamW update of ``n`` parameters:
+values ``lr, beta1, beta2, eps, weight_decay`` (INT or FLOAT: the client's Python numbers,
+unchanged), ``decoupled, maximize`` (booleans), then IDS of the ``n`` data, of their grads,
+exp_avgs, exp_avg_sqs, of their max_exp_avg_sqs (empty without amsgrad), and a TUPLE of
+``n`` INT steps; the server runs ``tensorlib.optim.adam_update`` on each parameter in order,
+the very function a local step runs.
 
 Values: a u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id),
-TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), ARRAY (u8 dtype,
-u8 ndim, ndim x u64 dims, the C-order little-endian bytes). No strings: an op's arguments are
-numbers, ids, dtypes and arrays only. A ``str`` elsewhere is ``u32 n`` + UTF-8.
+TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), IDS (u32 n + n
+u32 ids: a tuple of REFs, packed), ARRAY (u8 dtype, u8 ndim, ndim x u64 dims, the C-order
+little-endian bytes). No strings: an op's arguments are numbers, ids, dtypes and arrays only.
+A ``str`` elsewhere is ``u32 n`` + UTF-8.
 """
 
 from __future__ import annotations
@@ -58,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"DPTR"
 NONCE_BYTES = 32
 TAG_BYTES = 32
@@ -100,6 +113,8 @@ OPS: tuple[str, ...] = (
     # movement and the rest
     "reshape", "transpose", "broadcast_to", "expand_dims", "squeeze", "swapaxes", "getitem",
     "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
+    # fused updates (one record for what tensorlib would issue as many ops)
+    "adam",
     # collectives among sessions of one server (remote._collective)
     "collective",
 )  # fmt: skip
@@ -108,6 +123,7 @@ BINARY_UFUNCS = OPS[OP_CODES["add"] : OP_CODES["arctan2"] + 1]
 UNARY_UFUNCS = OPS[OP_CODES["negative"] : OP_CODES["reciprocal"] + 1]
 REDUCTIONS = OPS[OP_CODES["sum"] : OP_CODES["prod"] + 1]
 DROP, READ, SYNC, UPLOAD = 0, 1, 2, 3
+ADAM = OP_CODES["adam"]
 
 DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(n)
@@ -120,7 +136,7 @@ DTYPE_CODES: dict[np.dtype[Any], int] = {dt: i for i, dt in enumerate(DTYPES)}
 
 # Value tags.
 T_NONE, T_FALSE, T_TRUE, T_INT, T_FLOAT, T_REF, T_TUPLE, T_SLICE = range(8)
-T_ELLIPSIS, T_DTYPE, _T_UNUSED, T_ARRAY = range(8, 12)
+T_ELLIPSIS, T_DTYPE, T_IDS, T_ARRAY = range(8, 12)
 
 U8 = struct.Struct("<B")
 U16 = struct.Struct("<H")
@@ -140,6 +156,8 @@ _HELLO_HEAD = struct.Struct(f"<BBH{NONCE_BYTES}sB")
 REPLY_HEAD = struct.Struct("<BIB")
 _ERROR_HEAD = struct.Struct("<QH")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_I64_AT, _F64_AT, _U32_AT = I64.unpack_from, F64.unpack_from, U32.unpack_from
+_SMALL = (None, False, True)
 
 
 class ProtocolError(Exception):
@@ -191,6 +209,10 @@ def put(parts: list[bytes], v: Any, depth: int = 0) -> None:
             put(parts, _plain_int(x), depth + 1)
     elif v is Ellipsis:
         parts.append(U8.pack(T_ELLIPSIS))
+    elif t is Ids:
+        if len(v.handles) > 0xFFFF:
+            raise TypeError("too many ids for one IDS value")
+        parts.append(ids_value([h._id for h in v.handles]))
     elif isinstance(v, np.dtype):
         parts.append(U8.pack(T_DTYPE))
         parts.append(U8.pack(dtype_code(v)))
@@ -285,19 +307,28 @@ class Reader:
 
     def value(self, depth: int = 0) -> Any:
         """The next value (REF as :class:`Ref`, ARRAY as a fresh NumPy array)."""
-        tag = self.u8()
-        if tag == T_REF:
-            return Ref(self.u32())
-        if tag == T_INT:
-            return int(self.unpack(I64)[0])
-        if tag == T_FLOAT:
-            return float(self.unpack(F64)[0])
+        buf, pos = self.buf, self.pos
+        if pos >= len(buf):
+            raise ProtocolError(f"truncated frame: wanted a value at offset {pos}")
+        tag = buf[pos]
         if tag <= T_TRUE:
-            return (None, False, True)[tag]
+            self.pos = pos + 1
+            return _SMALL[tag]
+        if tag in (T_INT, T_FLOAT, T_REF):
+            size = 5 if tag == T_REF else 9
+            if pos + size > len(buf):
+                raise ProtocolError(f"truncated frame: wanted {size} bytes at offset {pos}")
+            self.pos = pos + size
+            if tag == T_INT:
+                return _I64_AT(buf, pos + 1)[0]
+            if tag == T_FLOAT:
+                return _F64_AT(buf, pos + 1)[0]
+            return Ref(_U32_AT(buf, pos + 1)[0])
+        self.pos = pos + 1
         if tag == T_TUPLE:
             if depth >= MAX_NEST:
                 raise ProtocolError("values nested too deep")
-            return tuple(self.value(depth + 1) for _ in range(self.u16()))
+            return tuple([self.value(depth + 1) for _ in range(self.u16())])
         if tag == T_SLICE:
             parts = [self.value(depth + 1) for _ in range(3)]
             if any(p is not None and type(p) is not int for p in parts):
@@ -307,6 +338,9 @@ class Reader:
             return Ellipsis
         if tag == T_DTYPE:
             return self.dtype()
+        if tag == T_IDS:
+            n = self.u32()
+            return tuple(map(Ref, struct.unpack_from(f"<{n}I", self.take(4 * n))))
         if tag == T_ARRAY:
             return self.array()
         raise ProtocolError(f"unknown value tag {tag}")
@@ -332,66 +366,29 @@ class Reader:
         return np.frombuffer(data, dtype=dt.newbyteorder("<"), count=count).reshape(shape).copy()
 
 
+def ids_value(ids: list[int]) -> bytes:
+    """An IDS value: the ids as one packed run (a tuple of REFs on the server)."""
+    return _TAG_U32.pack(T_IDS, len(ids)) + struct.pack(f"<{len(ids)}I", *ids)
+
+
+class Ids:
+    """Handles to send as one IDS value (``put`` packs them)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+
+_TAG_U32 = struct.Struct("<BI")
+
+
 # ---------------------------------------------------------------------------- records
 def record_head(op: int, flags: int, out: int, nargs: int) -> bytes:
     return RECORD_HEAD.pack(op, flags, out, nargs)
 
 
 RECORDS_HEAD = struct.Struct("<BHI")  # kind, how many READ/SYNC records, records
-
-
-def read_records(
-    payload: bytes | bytearray | memoryview,
-) -> list[tuple[int, int, int, tuple[Any, ...]]]:
-    """The records of a RECORDS frame: ``(op, flags, out, args)`` each.
-
-    The loop reads the common values (REF, FLOAT, INT, NONE, booleans) inline: the server
-    decodes every record of every op, so this is its hot path.
-    """
-    r = Reader(payload)
-    kind, _, count = r.unpack(RECORDS_HEAD)
-    if kind != RECORDS:
-        raise ProtocolError(f"a session may only send records, got frame kind {kind}")
-    buf, pos, end = r.buf, r.pos, len(r.buf)
-    out: list[tuple[int, int, int, tuple[Any, ...]]] = []
-    append = out.append
-    head, ref, f64, i64 = RECORD_HEAD.unpack_from, _U32_AT, F64.unpack_from, I64.unpack_from
-    nops = len(OPS)
-    while pos < end:
-        if pos + 8 > end:
-            raise ProtocolError(f"truncated record at offset {pos}")
-        op, flags, oid, nargs = head(buf, pos)
-        pos += 8
-        if op >= nops:
-            raise ProtocolError(f"unknown op code {op}")
-        args: list[Any] = []
-        for _ in range(nargs):
-            if pos >= end:
-                raise ProtocolError(f"truncated record at offset {pos}")
-            tag = buf[pos]
-            if tag == T_REF and pos + 5 <= end:
-                args.append(Ref(ref(buf, pos + 1)[0]))
-                pos += 5
-            elif tag == T_FLOAT and pos + 9 <= end:
-                args.append(f64(buf, pos + 1)[0])
-                pos += 9
-            elif tag == T_INT and pos + 9 <= end:
-                args.append(i64(buf, pos + 1)[0])
-                pos += 9
-            elif tag <= T_TRUE:
-                args.append((None, False, True)[tag])
-                pos += 1
-            else:
-                r.pos = pos
-                args.append(r.value())
-                pos = r.pos
-        append((op, flags, oid, tuple(args)))
-    if len(out) != count:
-        raise ProtocolError(f"a frame announced {count} records and held {len(out)}")
-    return out
-
-
-_U32_AT = U32.unpack_from
 
 
 def reply(request: int, failed: list[int], error: tuple[int, int, str] | None = None) -> bytes:

@@ -1,134 +1,52 @@
 """The server's side of one session: its table of arrays, run in order on one thread.
 
-A session is one client connection to one device. Its records arrive in frames (the
-connection's thread decodes them, ``_server``) and wait in a bounded queue; the session's
-worker thread, bound to the device, runs them one by one through the fixed op table
-(``handlers``). An op that fails poisons its result (and what is computed from it later);
-the first failure since the last reply is reported with the next reply. Arrays are counted
-by the buffer they own (a view costs nothing more) against ``max_session_bytes``.
+A session is one client connection to one device. The connection's thread (``_server``),
+bound to the device once the handshake is done, receives each frame, reads its records and
+runs them one by one through the fixed op table (``_ops.handlers``). An op that fails
+poisons its result (and what is computed from it later); the first failure since the last
+reply is reported with the next reply. Arrays are counted by the buffer they own (a view
+costs nothing more) against ``max_session_bytes``.
 """
 
 from __future__ import annotations
 
-import math
-import queue
 import threading
-from collections.abc import Callable, Sequence
+import time
 from typing import Any
 
 import numpy as np
 
 from ._collective import collective_handler
 from ._conn import Framed
+from ._ops import adam_writes, handlers
 from ._wire import (
-    BINARY_UFUNCS,
+    ADAM,
     DROP,
+    F64,
     FLAG_OUT,
+    I64,
     OP_CODES,
     OPS,
     READ,
-    REDUCTIONS,
+    RECORD_HEAD,
+    RECORDS,
+    RECORDS_HEAD,
     SYNC,
-    UNARY_UFUNCS,
+    T_FLOAT,
+    T_INT,
+    T_REF,
+    T_TRUE,
+    U32,
     ProtocolError,
+    Reader,
     Ref,
     put_array,
-    read_records,
     reply,
 )
 
-__all__ = ["Worker", "handlers"]
+__all__ = ["Worker"]
 
-# Frames a session may have waiting: a client that sends faster than its device computes
-# blocks (TCP backpressure) instead of growing the server's memory.
-QUEUE_FRAMES = 16
-Handler = Callable[[Sequence[Any], Any], Any]
-
-
-def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Handler | None]:
-    """The op table for array module ``xp``: ``OPS[i]`` runs as ``table[i](args, out)``;
-    ``guard(nbytes)`` vets what a creation op would allocate before it does.
-
-    Names come from the fixed table in ``_wire``, never from the wire.
-    """
-    table: list[Handler | None] = [None] * len(OPS)
-
-    def set_(name: str, fn: Handler) -> None:
-        table[OP_CODES[name]] = fn
-
-    for name in BINARY_UFUNCS:
-        f = getattr(xp, name, None)
-        if f is not None:
-            set_(name, _binary(f))
-    for name in UNARY_UFUNCS:
-        f = getattr(xp, name, None)
-        if f is not None:
-            set_(name, _unary(f))
-    for name in REDUCTIONS:
-        set_(name, _reduction(name, with_dtype=name in ("sum", "mean", "prod")))
-    set_("upload", lambda a, out: xp.asarray(a[0]))
-
-    def full(a: Sequence[Any], out: Any) -> Any:
-        guard(math.prod(a[0]) * np.dtype(a[2]).itemsize)
-        return xp.full(a[0], a[1], dtype=a[2])
-
-    def arange(a: Sequence[Any], out: Any) -> Any:
-        guard(max(0, math.ceil((a[1] - a[0]) / a[2])) * np.dtype(a[3]).itemsize)
-        return xp.arange(a[0], a[1], a[2], dtype=a[3])
-
-    set_("full", full)
-    set_("arange", arange)
-    set_("matmul", lambda a, out: xp.matmul(a[0], a[1], out=out))
-    set_("reshape", lambda a, out: a[0].reshape(a[1]))
-    set_("transpose", lambda a, out: a[0].transpose(a[1]))
-    set_("broadcast_to", lambda a, out: xp.broadcast_to(a[0], a[1]))
-    set_("expand_dims", lambda a, out: xp.expand_dims(a[0], a[1]))
-    set_("squeeze", lambda a, out: a[0].squeeze(axis=a[1]))
-    set_("swapaxes", lambda a, out: a[0].swapaxes(a[1], a[2]))
-    set_("getitem", lambda a, out: a[0][a[1]])
-    set_("setitem", lambda a, out: out.__setitem__(a[0], a[1]))
-    set_("concatenate", lambda a, out: xp.concatenate(a[0], axis=a[1]))
-    set_("stack", lambda a, out: xp.stack(a[0], axis=a[1]))
-    set_("copy", lambda a, out: a[0].copy())
-    set_("astype", lambda a, out: a[0].astype(a[1]))
-    set_("fill", lambda a, out: out.fill(a[0]))
-    set_("where", lambda a, out: xp.where(a[0], a[1], a[2]))
-    set_("clip", lambda a, out: xp.clip(a[0], a[1], a[2], out=out))
-    set_("add_at", lambda a, out: _add_at(xp, out, a[0], a[1]))
-    return table
-
-
-def _binary(f: Any) -> Handler:
-    def run(a: Sequence[Any], out: Any) -> Any:
-        return f(a[0], a[1]) if out is None else f(a[0], a[1], out=out)
-
-    return run
-
-
-def _unary(f: Any) -> Handler:
-    def run(a: Sequence[Any], out: Any) -> Any:
-        return f(a[0]) if out is None else f(a[0], out=out)
-
-    return run
-
-
-def _reduction(name: str, with_dtype: bool) -> Handler:
-    def run(a: Sequence[Any], out: Any) -> Any:
-        method = getattr(a[0], name)  # a fixed name from OPS, on an array from the table
-        if with_dtype:
-            return method(axis=a[1], keepdims=a[2], dtype=a[3], out=out)
-        return method(axis=a[1], keepdims=a[2], out=out)
-
-    return run
-
-
-def _add_at(xp: Any, a: Any, index: Any, values: Any) -> None:
-    if xp is np:
-        np.add.at(a, index, values)
-    else:  # CuPy
-        import cupyx
-
-        cupyx.scatter_add(a, index, values)
+_SMALL = (None, False, True)
 
 
 class Poison:
@@ -146,14 +64,16 @@ class _PoisonedError(Exception):
 
 
 class Worker:
-    """One session: its table, its queue of frames, and the thread that runs them.
+    """One session: its table, and the loop that receives and runs its frames.
 
     Attributes:
         bytes: what its arrays hold now.
         waiting: replies due (the heartbeat thread keeps the client posted while > 0).
+        busy_since: when the frame being run started (None between frames): a frame that
+            runs long gets heartbeats too, since the client may be waiting on a later one.
     """
 
-    def __init__(self, framed: Framed, xp: Any, device: Any, limit: int | None, name: str) -> None:
+    def __init__(self, framed: Framed, xp: Any, device: Any, limit: int | None) -> None:
         self.framed = framed
         self.xp = xp
         self.device = device
@@ -163,6 +83,7 @@ class Worker:
         self._buffers: dict[int, list[Any]] = {}  # key -> [users, nbytes, the buffer]
         self.bytes = 0
         self.waiting = 0
+        self.busy_since: float | None = None
         self.closed = False
         self._seq = 0
         self._failed: list[int] = []
@@ -170,29 +91,30 @@ class Worker:
         self._table = handlers(xp, self._guard)
         self._table[OP_CODES["collective"]] = collective_handler(self)  # needs the table
         self._array_type = xp.ndarray
-        self.queue: queue.Queue[memoryview | None] = queue.Queue(QUEUE_FRAMES)
         self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
 
-    def add_waiting(self, n: int) -> None:
-        with self._lock:
-            self.waiting += n
+    def run(self) -> None:
+        """Receive the session's frames and run them, on the calling thread (the
+        connection's), until the client goes or the server closes; then free the session.
 
-    def _main(self) -> None:
+        One thread does it all, so no frame waits for a hand-over between threads (nor the
+        GIL to change hands). What waits is bounded by the kernel's socket buffers: a client
+        faster than its device blocks in its send (TCP backpressure); the server's memory
+        does not grow.
+        """
         if self.device is not None:
             self.device.__enter__()  # this thread's current GPU
         try:
-            while True:
-                frame = self.queue.get()
-                if frame is None or self.closed:
-                    break
-                for rec in read_records(frame):
-                    if self.closed:
-                        break
-                    self._run(*rec)
-        except (OSError, ProtocolError):  # a malformed frame, or the client went away
-            self.framed.close()  # the connection's thread sees it and frees the session
+            while not self.closed:
+                payload = self.framed.recv()
+                if len(payload) < RECORDS_HEAD.size:
+                    raise ProtocolError("a frame too short for records")
+                waits = RECORDS_HEAD.unpack_from(payload)[1]
+                if waits:
+                    self.add_waiting(waits)
+                self.busy_since = time.monotonic()
+                self._frame(payload)
+                self.busy_since = None
         finally:
             self.closed = True
             self.table.clear()
@@ -200,51 +122,166 @@ class Worker:
             self._buffers.clear()
             self.bytes = 0
 
-    # ------------------------------------------------------------------ one record
-    def _run(self, op: int, flags: int, out: int, args: tuple[Any, ...]) -> None:
-        seq = self._seq
-        self._seq = seq + 1
-        if op <= SYNC:
-            if op == DROP:
-                self._free(out)
+    def add_waiting(self, n: int) -> None:
+        with self._lock:
+            self.waiting += n
+
+    # ------------------------------------------------------------------ one frame
+    def _frame(self, payload: memoryview) -> None:
+        """Read and run a RECORDS frame's records, in order, in one pass.
+
+        The record format is ``_wire``'s; this loop reads its common values (REF, FLOAT,
+        INT, NONE, booleans) inline, a REF straight into the array it names, and every other
+        value through ``Reader.value``, since it runs for every record of every op.
+        """
+        r = Reader(payload)
+        kind, _, count = r.unpack(RECORDS_HEAD)
+        if kind != RECORDS:
+            raise ProtocolError(f"a session may only send records, got frame kind {kind}")
+        buf, pos, end = r.buf, r.pos, len(r.buf)
+        head, u32, f64, i64 = (
+            RECORD_HEAD.unpack_from,
+            U32.unpack_from,
+            F64.unpack_from,
+            I64.unpack_from,
+        )
+        table, nops, n = self.table, len(OPS), 0
+        while pos < end:
+            if self.closed:
+                return
+            if pos + 8 > end:
+                raise ProtocolError(f"truncated record at offset {pos}")
+            rec = pos
+            op, flags, oid, nargs = head(buf, pos)
+            pos += 8
+            n += 1
+            if op >= nops:
+                raise ProtocolError(f"unknown op code {op}")
+            if op <= SYNC:  # DROP, READ, SYNC: their REFs are ids, not operands
+                raw: list[Any] = []
+                r.pos = pos
+                for _ in range(nargs):
+                    raw.append(r.value())
+                pos = r.pos
+                self._session_record(op, oid, tuple(raw))
+                continue
+            seq = self._seq
+            self._seq = seq + 1
+            args: list[Any] = []
+            bad: Any = None  # a poisoned input (Poison) or a missing one (its id)
+            for _ in range(nargs):
+                if pos >= end:
+                    raise ProtocolError(f"truncated record at offset {pos}")
+                tag = buf[pos]
+                if tag == T_REF and pos + 5 <= end:
+                    i = u32(buf, pos + 1)[0]
+                    x = table.get(i)
+                    if x is None or type(x) is Poison:
+                        bad = bad if bad is not None else (i if x is None else x)
+                    args.append(x)
+                    pos += 5
+                elif tag == T_FLOAT and pos + 9 <= end:
+                    args.append(f64(buf, pos + 1)[0])
+                    pos += 9
+                elif tag == T_INT and pos + 9 <= end:
+                    args.append(i64(buf, pos + 1)[0])
+                    pos += 9
+                elif tag <= T_TRUE:
+                    args.append(_SMALL[tag])
+                    pos += 1
+                else:
+                    r.pos = pos
+                    v = r.value()
+                    pos = r.pos
+                    if type(v) is tuple:
+                        try:
+                            v = self._resolve(v)
+                        except (KeyError, _PoisonedError) as exc:
+                            bad = bad if bad is not None else _why(exc)
+                    args.append(v)
+            if op == ADAM:
+                self._adam(seq, args, bad, r, rec)
+            elif bad is not None:
+                self._fail_input(seq, op, [oid], bad)
             else:
-                self._reply(op, out, args)
-            return
+                self._op(seq, op, flags, oid, args)
+        if n != count:
+            raise ProtocolError(f"a frame announced {count} records and held {n}")
+
+    def _op(self, seq: int, op: int, flags: int, oid: int, args: list[Any]) -> None:
+        """Run one op on resolved arguments; store its result or poison it."""
         fn = self._table[op]
         try:
             if fn is None:
                 raise TypeError(f"op {OPS[op]!r} is not available on this device")
-            table = self.table
-            resolved: list[Any] = []
-            for a in args:  # _resolve, with the common case (a live array) inlined
-                t = type(a)
-                if t is Ref:
-                    x = table.get(a)
-                    resolved.append(
-                        x if x is not None and type(x) is not Poison else self._array(a)
-                    )
-                elif t is tuple:
-                    resolved.append(self._resolve(a))
-                else:
-                    resolved.append(a)
             if flags & FLAG_OUT:
-                fn(resolved, self._array(out))
+                fn(args, self._array(oid))
                 return
-            result = fn(resolved, None)
-            if not isinstance(result, self._array_type):
+            result = fn(args, None)
+            if type(result) is not np.ndarray and not isinstance(result, self._array_type):
                 if isinstance(result, np.generic) or np.isscalar(result):
                     result = self.xp.asarray(result)
                 else:
                     raise TypeError(f"op {OPS[op]!r} produced a {type(result).__name__}")
-            self._store(out, result)
+            if result.base is None and oid not in self.table:  # _store's common case
+                key = id(result)
+                if key not in self._buffers:
+                    nbytes = result.nbytes
+                    if self.limit is not None:
+                        self._guard(nbytes)
+                    self._buffers[key] = [1, nbytes, result]
+                    self.bytes += nbytes
+                    self.table[oid] = result
+                    self._owner[oid] = key
+                    return
+            self._store(oid, result)
         except _PoisonedError as p:
-            self._poison(out, p.poison)
+            self._poison(oid, p.poison)
         except Exception as exc:  # any failure of the op: poison its result, report later
-            poison = Poison(seq, op, f"{type(exc).__name__}: {exc}")
-            self._failed.append(seq)
-            if self._first is None:
-                self._first = poison
-            self._poison(out, poison)
+            self._fail(seq, op, [oid], f"{type(exc).__name__}: {exc}")
+
+    def _session_record(self, op: int, oid: int, raw: tuple[Any, ...]) -> None:
+        """DROP (``oid``, or the ids of its one IDS value), READ and SYNC."""
+        self._seq += 1
+        if op == DROP:
+            ids = raw[0] if raw and type(raw[0]) is tuple else (oid,)
+            for i in ids:
+                self._free(i)
+        else:
+            self._reply(op, oid, raw)
+
+    def _adam(self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int) -> None:
+        """ADAM writes many arrays in place: a failure poisons every one it writes."""
+        if bad is not None:
+            self._fail_input(seq, ADAM, adam_writes(self._raw(r, rec)), bad)
+            return
+        try:
+            self._table[ADAM](args, None)  # type: ignore[misc]  # always in the table
+        except Exception as exc:
+            self._fail(seq, ADAM, adam_writes(self._raw(r, rec)), f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _raw(r: Reader, rec: int) -> tuple[Any, ...]:
+        """The values of the record at offset ``rec``, REFs as ids (it decoded once)."""
+        r.pos = rec
+        nargs = r.unpack(RECORD_HEAD)[3]
+        return tuple(r.value() for _ in range(nargs))
+
+    def _fail(self, seq: int, op: int, ids: list[int], message: str) -> None:
+        poison = Poison(seq, op, message)
+        self._failed.append(seq)
+        if self._first is None:
+            self._first = poison
+        for i in ids:
+            self._poison(i, poison)
+
+    def _fail_input(self, seq: int, op: int, ids: list[int], bad: Any) -> None:
+        if type(bad) is Poison:  # computed from a failed op: fails the same way
+            for i in ids:
+                self._poison(i, bad)
+        else:
+            message = bad if type(bad) is str else _missing(bad)
+            self._fail(seq, op, ids, f"KeyError: {message!r}")
 
     def _resolve(self, v: Any) -> Any:
         t = type(v)
@@ -257,7 +294,7 @@ class Worker:
     def _array(self, i: int) -> Any:
         x = self.table.get(i)
         if x is None:
-            raise KeyError(f"no array {i} in this session (freed, or never made)")
+            raise KeyError(_missing(i))
         if type(x) is Poison:
             raise _PoisonedError(x)
         return x
@@ -282,7 +319,8 @@ class Worker:
 
     # ------------------------------------------------------------------ memory
     def _store(self, i: int, x: Any) -> None:
-        if i in self.table:
+        table = self.table
+        if i in table:
             self._free(i)
         root = x
         while isinstance(root.base, self._array_type):
@@ -291,12 +329,13 @@ class Worker:
         entry = self._buffers.get(key)
         if entry is None:
             nbytes = int(root.nbytes) if root.base is None else 0  # not ours: 0
-            self._guard(nbytes)
+            if self.limit is not None:
+                self._guard(nbytes)
             entry = [0, nbytes, root]
             self._buffers[key] = entry
             self.bytes += nbytes
         entry[0] += 1
-        self.table[i] = x
+        table[i] = x
         self._owner[i] = key
 
     def _free(self, i: int) -> None:
@@ -320,3 +359,13 @@ class Worker:
                 f"the session's memory limit: {nbytes} bytes more on top of the {self.bytes} "
                 f"held would exceed max_session_bytes={self.limit}"
             )
+
+
+def _missing(i: int) -> str:
+    return f"no array {i} in this session (freed, or never made)"
+
+
+def _why(exc: Exception) -> Any:
+    if isinstance(exc, _PoisonedError):
+        return exc.poison
+    return str(exc.args[0]) if exc.args else "a missing array"

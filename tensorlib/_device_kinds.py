@@ -5,6 +5,11 @@ tensorlib knows two device types itself, ``cpu`` (NumPy) and ``cuda`` (CuPy). An
 type its ``xp`` returns; tensorlib then resolves ``Device("scheme://...")`` through it and asks
 it for the device of such arrays, and for copies to and from the host. tensorlib never imports
 those packages: the registry is filled in by them.
+
+A kind may also supply fused versions of multi-op updates (like torch's ``fused=`` optimizer
+kernels) as a ``fused_ops`` mapping of names to functions; tensorlib asks for one by name
+(:func:`fused_op`) and falls back to its own op-by-op code when there is none. The one name
+used so far is ``"adam"`` (``tensorlib.optim.Adam.step``; its contract is there).
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ import numpy as np
 if TYPE_CHECKING:
     from ._device import Device
 
-__all__ = ["DeviceKind", "kind_of_array", "kind_of_device", "kind_of_scheme", "register"]
+__all__ = [
+    "DeviceKind",
+    "fused_op",
+    "kind_of_array",
+    "kind_of_device",
+    "kind_of_scheme",
+    "register",
+]
 
 
 class DeviceKind(Protocol):
@@ -99,3 +111,12 @@ def kind_of_device(device: Device) -> DeviceKind:
 def kind_of_array(array: Any) -> DeviceKind | None:
     """The kind whose arrays are of ``array``'s type, or None."""
     return _by_array_type.get(type(array))
+
+
+def fused_op(array: Any, name: str) -> Any:
+    """The fused update ``name`` that the kind of ``array`` supplies, or None (always None
+    for NumPy and CuPy arrays, and for kinds without a ``fused_ops`` entry ``name``)."""
+    kind = _by_array_type.get(type(array))
+    if kind is None:
+        return None
+    return getattr(kind, "fused_ops", {}).get(name)

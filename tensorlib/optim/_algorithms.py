@@ -11,10 +11,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._autograd import no_grad
+from .._device_kinds import fused_op
 from .._ops_elementwise import xp_of
 from ._optimizer import Optimizer
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "adam_update"]
 
 
 def _check(name: str, value: float, low: float = 0.0) -> None:
@@ -144,48 +145,97 @@ class Adam(Optimizer):
 
     @no_grad()
     def step(self) -> None:
-        """Apply one update to every parameter that has a gradient."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p._grad is not None:
-                    self._update(p, group)
+        """Apply one update to every parameter that has a gradient.
 
-    def _update(self, p: Any, group: dict[str, Any]) -> None:
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        amsgrad = group.get("amsgrad", False)
-        g = p._grad._data
-        if group.get("maximize", False):
-            g = -g
+        A device kind that supplies a fused ``"adam"`` update (``fused_op``; a remote
+        device runs it as one record on its server) gets each group's parameters at once;
+        it computes exactly :func:`adam_update` per parameter. Elsewhere (cpu, cuda) each
+        parameter is updated here, one after the other.
+        """
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p._grad is not None]
+            hyper = self._hyper(group)
+            fused = fused_op(params[0]._data, "adam") if params else None
+            if fused is not None and all(fused_op(p._data, "adam") is fused for p in params):
+                fused([self._prepare(p, group) for p in params], **hyper)
+                continue
+            for p in params:
+                adam_update(*self._prepare(p, group), **hyper)
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        b1, b2 = group["betas"]
+        return {
+            "lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
+            "weight_decay": group["weight_decay"], "decoupled": self._decoupled,
+            "maximize": group.get("maximize", False),
+        }  # fmt: skip
+
+    def _prepare(self, p: Any, group: dict[str, Any]) -> AdamArrays:
+        """``p``'s arrays for :func:`adam_update` (its state made on the first step), and
+        the state's step count advanced."""
         data = p._data
-        xp = xp_of(data)
-        if wd:
-            if self._decoupled:
-                data *= 1 - lr * wd
-            else:
-                g = g + wd * data
         state = self.state.get(p)
         if state is None:
+            xp = xp_of(data)
             state = {"step": 0, "exp_avg": xp.zeros_like(data), "exp_avg_sq": xp.zeros_like(data)}
             self.state[p] = state
-        if amsgrad and "max_exp_avg_sq" not in state:
-            # a fresh state, or one saved without amsgrad: the running max starts here
-            state["max_exp_avg_sq"] = xp.zeros_like(data)
+        vmax = None
+        if group.get("amsgrad", False):
+            if "max_exp_avg_sq" not in state:
+                # a fresh state, or one saved without amsgrad: the running max starts here
+                state["max_exp_avg_sq"] = xp_of(data).zeros_like(data)
+            vmax = state["max_exp_avg_sq"]
         state["step"] += 1
-        t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        _lerp_(m, g, 1 - b1)
-        v *= b2
-        v += (1 - b2) * g * g
-        step_size = lr / (1 - b1**t)
-        bc2_sqrt = (1 - b2**t) ** 0.5
-        if amsgrad:
-            v = xp.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
-        denom = v**0.5
-        denom /= bc2_sqrt
-        denom += eps
-        upd = -step_size * m
-        upd /= denom
-        data += upd
+        return data, p._grad._data, state["exp_avg"], state["exp_avg_sq"], vmax, state["step"]
+
+
+AdamArrays = tuple[Any, Any, Any, Any, Any, int]
+
+
+def adam_update(
+    data: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any,
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> None:
+    """One Adam (``decoupled``: AdamW) update of one parameter, in place on its arrays.
+
+    ``step`` is the update's count from 1 (already advanced); ``max_exp_avg_sq`` is the
+    amsgrad running maximum, or None without amsgrad. A fused update that a device kind
+    supplies must compute exactly this (the remote server calls it).
+    """
+    g = -grad if maximize else grad
+    xp = xp_of(data)
+    if weight_decay:
+        if decoupled:
+            data *= 1 - lr * weight_decay
+        else:
+            g = g + weight_decay * data
+    b1, b2, t = beta1, beta2, step
+    m, v = exp_avg, exp_avg_sq
+    _lerp_(m, g, 1 - b1)
+    v *= b2
+    v += (1 - b2) * g * g
+    step_size = lr / (1 - b1**t)
+    bc2_sqrt = (1 - b2**t) ** 0.5
+    if max_exp_avg_sq is not None:
+        v = xp.maximum(max_exp_avg_sq, v, out=max_exp_avg_sq)
+    denom = v**0.5
+    denom /= bc2_sqrt
+    denom += eps
+    upd = -step_size * m
+    upd /= denom
+    data += upd
 
 
 class AdamW(Adam):

@@ -212,3 +212,29 @@ def test_a_device_of_a_server_not_reached_is_a_clear_error() -> None:
         tl.device("remote://10.9.9.9:1/0")
     with pytest.raises(remote.RemoteConnectionError, match="cannot reach"):
         remote.devices("127.0.0.1:1", token=TOKEN)
+
+
+def test_a_read_behind_a_long_frame_gets_heartbeats_not_a_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from remote import _server
+
+    monkeypatch.setattr(_server, "HEARTBEAT_S", 0.05)
+    with remote.serve(["cpu"], token=TOKEN) as server:
+        timeout = 0.4
+        dev = remote.devices(server.address, token=TOKEN, timeout=timeout)[0]
+        sess = _client.session_of(dev)
+        # Enough matmuls in one frame to run about 5 timeouts here (timed locally first).
+        local = np.ones((700, 700))
+        t0 = time.perf_counter()
+        local @ local
+        rounds = max(10, int(5 * timeout / max(time.perf_counter() - t0, 1e-4)))
+        a = dev.xp.asarray(np.ones((700, 700)))
+        for _ in range(rounds):
+            a = (a @ a) * (1 / 700)
+        sess.flush()  # the read goes in a later frame, not yet received while they run
+        start = time.monotonic()
+        assert np.isfinite(a.get()).all()  # a busy server is told from a dead one
+        # The read did wait longer than the timeout (else this test proved nothing).
+        assert time.monotonic() - start > timeout
+        remote.close(dev)

@@ -1,0 +1,153 @@
+"""The server's op table: what each code of ``_wire.OPS`` runs, as ``table[op](args, out)``.
+
+Names come from the fixed table in ``_wire``, never from the wire; ``args`` arrive with their
+REFs already replaced by the session's arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorlib.optim import adam_update
+
+from ._wire import BINARY_UFUNCS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
+
+__all__ = ["Handler", "adam_writes", "handlers"]
+
+Handler = Callable[[Sequence[Any], Any], Any]
+_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Handler | None]:
+    """The op table for array module ``xp``: ``OPS[i]`` runs as ``table[i](args, out)``;
+    ``guard(nbytes)`` vets what a creation op would allocate before it does.
+
+    Names come from the fixed table in ``_wire``, never from the wire.
+    """
+    table: list[Handler | None] = [None] * len(OPS)
+
+    def set_(name: str, fn: Handler) -> None:
+        table[OP_CODES[name]] = fn
+
+    for name in BINARY_UFUNCS:
+        f = getattr(xp, name, None)
+        if f is not None:
+            set_(name, _binary(f))
+    for name in UNARY_UFUNCS:
+        f = getattr(xp, name, None)
+        if f is not None:
+            set_(name, _unary(f))
+    for name in REDUCTIONS:
+        set_(name, _reduction(name, with_dtype=name in ("sum", "mean", "prod")))
+    set_("upload", lambda a, out: xp.asarray(a[0]))
+
+    def full(a: Sequence[Any], out: Any) -> Any:
+        guard(math.prod(a[0]) * np.dtype(a[2]).itemsize)
+        return xp.full(a[0], a[1], dtype=a[2])
+
+    def arange(a: Sequence[Any], out: Any) -> Any:
+        guard(max(0, math.ceil((a[1] - a[0]) / a[2])) * np.dtype(a[3]).itemsize)
+        return xp.arange(a[0], a[1], a[2], dtype=a[3])
+
+    set_("full", full)
+    set_("arange", arange)
+    set_("matmul", lambda a, out: xp.matmul(a[0], a[1], out=out))
+    set_("reshape", lambda a, out: a[0].reshape(a[1]))
+    set_("transpose", lambda a, out: a[0].transpose(a[1]))
+    set_("broadcast_to", lambda a, out: xp.broadcast_to(a[0], a[1]))
+    set_("expand_dims", lambda a, out: xp.expand_dims(a[0], a[1]))
+    set_("squeeze", lambda a, out: a[0].squeeze(axis=a[1]))
+    set_("swapaxes", lambda a, out: a[0].swapaxes(a[1], a[2]))
+    set_("getitem", lambda a, out: a[0][a[1]])
+    set_("setitem", lambda a, out: out.__setitem__(a[0], a[1]))
+    set_("concatenate", lambda a, out: xp.concatenate(a[0], axis=a[1]))
+    set_("stack", lambda a, out: xp.stack(a[0], axis=a[1]))
+    set_("copy", lambda a, out: a[0].copy())
+    set_("astype", lambda a, out: a[0].astype(a[1]))
+    set_("fill", lambda a, out: out.fill(a[0]))
+    set_("where", lambda a, out: xp.where(a[0], a[1], a[2]))
+    set_("clip", lambda a, out: xp.clip(a[0], a[1], a[2], out=out))
+    set_("add_at", lambda a, out: _add_at(xp, out, a[0], a[1]))
+    set_("adam", _adam(xp.ndarray))
+    return table
+
+
+def _binary(f: Any) -> Handler:
+    def run(a: Sequence[Any], out: Any) -> Any:
+        return f(a[0], a[1]) if out is None else f(a[0], a[1], out=out)
+
+    return run
+
+
+def _unary(f: Any) -> Handler:
+    def run(a: Sequence[Any], out: Any) -> Any:
+        return f(a[0]) if out is None else f(a[0], out=out)
+
+    return run
+
+
+def _reduction(name: str, with_dtype: bool) -> Handler:
+    def run(a: Sequence[Any], out: Any) -> Any:
+        method = getattr(a[0], name)  # a fixed name from OPS, on an array from the table
+        if with_dtype:
+            return method(axis=a[1], keepdims=a[2], dtype=a[3], out=out)
+        return method(axis=a[1], keepdims=a[2], out=out)
+
+    return run
+
+
+def _add_at(xp: Any, a: Any, index: Any, values: Any) -> None:
+    if xp is np:
+        np.add.at(a, index, values)
+    else:  # CuPy
+        import cupyx
+
+        cupyx.scatter_add(a, index, values)
+
+
+def _adam(array_type: type) -> Handler:
+    """ADAM: ``tensorlib.optim.adam_update`` on each parameter, as a local step runs it (the
+    same function on the same NumPy, so the same bits). Every value is checked first: a
+    malformed record changes nothing."""
+
+    def run(a: Sequence[Any], out: Any) -> None:
+        if len(a) != 13:
+            raise TypeError(f"adam: 13 arguments expected, got {len(a)}")
+        hyper, (decoupled, maximize), arrays, steps = a[:5], a[5:7], a[7:12], a[12]
+        for name, v in zip(_ADAM_HYPER, hyper, strict=True):
+            if type(v) not in (int, float):
+                raise TypeError(f"adam: {name} must be a number, got {type(v).__name__}")
+        if type(decoupled) is not bool or type(maximize) is not bool:
+            raise TypeError("adam: decoupled and maximize must be booleans")
+        if type(steps) is not tuple or not all(type(t) is int and t >= 1 for t in steps):
+            raise TypeError("adam: the steps must be a tuple of integers >= 1")
+        n = len(steps)
+        for k, xs in enumerate(arrays):
+            if type(xs) is not tuple or len(xs) != (n if k < 4 or xs else 0):
+                raise TypeError(f"adam: {n} arrays expected for each of data, grad, m, v")
+            if not all(isinstance(x, array_type) for x in xs):
+                raise TypeError("adam: a parameter's data, grad and moments must be arrays")
+        data, grad, m, v, vmax = arrays
+        lr, b1, b2, eps, wd = hyper
+        for i in range(n):
+            adam_update(
+                data[i], grad[i], m[i], v[i], vmax[i] if vmax else None, steps[i], lr=lr,
+                beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
+                maximize=maximize,
+            )  # fmt: skip
+
+    return run
+
+
+def adam_writes(args: Sequence[Any]) -> list[int]:
+    """The ids an ADAM record (its values as decoded, REFs unresolved) writes: what a failure
+    poisons (the data and the moments)."""
+    out: list[int] = []
+    for k in (7, 9, 10, 11):
+        xs = args[k] if len(args) > k else ()
+        out += [x for x in xs if type(x) is Ref] if type(xs) is tuple else []
+    return out
