@@ -31,13 +31,17 @@ from typing import Any
 
 import numpy as np
 
+from collectives import ReduceOp
+from collectives.backends.threads import reduce_in_order
+
 __all__ = ["KINDS", "REDUCE_OPS", "collective_handler"]
 
 # The kinds and reductions a record may name (indexes; the client uses the same tables).
 KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
 REDUCE_OPS = ("sum", "avg", "prod", "min", "max")
 MAX_TIMEOUT_S = 3600.0
-_UFUNCS = (np.add, np.add, np.multiply, np.minimum, np.maximum)
+# REDUCE_OPS as the engines' reduction names them.
+_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 _NARGS = 11
 _FAILED_KEPT = 1024  # recently failed meetings, so a late member fails at once
 
@@ -164,13 +168,10 @@ def _fail(key: tuple[int, int, int], m: _Meeting, message: str) -> None:
 
 
 def _reduce(xs: list[np.ndarray[Any, Any]], rop: int) -> np.ndarray[Any, Any]:
-    """``xs[0] op xs[1] op ...`` in member order, as the NumPy engine reduces."""
-    uf = _UFUNCS[rop]
-    out = np.array(xs[0], copy=True)
-    for x in xs[1:]:
-        uf(out, x, out=out)
-    if REDUCE_OPS[rop] == "avg" and len(xs) > 1:
-        np.true_divide(out, len(xs), out=out, casting="unsafe")
+    """``xs[0] op xs[1] op ...`` in member order: the NumPy engine's own reduction, so the
+    bits are the same as rank threads on the CPU."""
+    out = np.empty_like(xs[0])
+    reduce_in_order(out, xs, _OPS[rop], len(xs))
     return out
 
 

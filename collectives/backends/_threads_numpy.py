@@ -21,36 +21,13 @@ through host memory by the group (use ``cuda`` devices for the NCCL engine inste
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .._backend import GroupInfo, Request
-from .._types import ReduceOp
+from ._reduce import reduce_in_order
 from ._threads_engines import ThreadEngine, ThreadJob, register_engine
 
 __all__ = ["NumpyEngine"]
-
-_UFUNCS = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-}
-
-
-def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
-    """``out = sources[0] op sources[1] op ...`` in order; ``out`` may be ``sources[0]``."""
-    uf = _UFUNCS[op]
-    if len(sources) == 1:
-        np.copyto(out, sources[0])
-    else:
-        uf(sources[0], sources[1], out=out)
-        for s in sources[2:]:
-            uf(out, s, out=out)
-    if op is ReduceOp.AVG and n > 1:
-        np.true_divide(out, n, out=out, casting="unsafe")
 
 
 class NumpyEngine(ThreadEngine):
@@ -71,7 +48,7 @@ class NumpyEngine(ThreadEngine):
         if hi > lo:
             assert req.reduce_op is not None
             first = flats[0][lo:hi]
-            _reduce(first, [f[lo:hi] for f in flats], req.reduce_op, self.size)
+            reduce_in_order(first, [f[lo:hi] for f in flats], req.reduce_op, self.size)
             for f in flats[1:]:
                 f[lo:hi] = first
         self.phase(req)
@@ -86,7 +63,7 @@ class NumpyEngine(ThreadEngine):
             # The root's array is an input of every slice: reduce into scratch unless it is
             # the first operand (read before it is written, element by element).
             out = root[lo:hi] if req.root == 0 else np.empty(hi - lo, dtype=flat.dtype)
-            _reduce(out, [f[lo:hi] for f in flats], req.reduce_op, self.size)
+            reduce_in_order(out, [f[lo:hi] for f in flats], req.reduce_op, self.size)
             if req.root != 0:
                 root[lo:hi] = out
         self.phase(req)
@@ -97,7 +74,7 @@ class NumpyEngine(ThreadEngine):
         assert req.reduce_op is not None
         out = req.out.reshape(-1)
         if out.size:
-            _reduce(out, [p[self.rank] for p in peers], req.reduce_op, self.size)
+            reduce_in_order(out, [p[self.rank] for p in peers], req.reduce_op, self.size)
         self.phase(req)
 
     # ------------------------------------------------------------------ data movement

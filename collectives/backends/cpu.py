@@ -38,7 +38,6 @@ from .._errors import (
 from .._exit import on_uncaught
 from .._registry import register_backend
 from .._signature import describe_record, record_bytes, same_p2p_call
-from .._types import ReduceOp
 from . import _shm
 from ._cpu_layout import (
     ABORT_CLOSED,
@@ -53,6 +52,7 @@ from ._cpu_layout import (
 )
 from ._cpu_sync import Lockstep, abort_kind
 from ._proc import host_id
+from ._reduce import reduce_in_order
 from ._setup_wait import SetupWatch, register_last_words, setup_op
 from ._shm import Segment
 
@@ -60,14 +60,6 @@ __all__ = ["CpuBackend"]
 
 _UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
-
-_UFUNCS = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-}
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -80,24 +72,6 @@ def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
         start += m
         if start >= total:
             return
-
-
-# By identity: an Enum member's hash is a Python-level call, and this runs on every call.
-_UFUNC_OF = {id(op): uf for op, uf in _UFUNCS.items()}
-
-
-def _reduce(out: Any, sources: list[Any], op: ReduceOp, n: int) -> None:
-    """``out = sources[0] op sources[1] op ...`` in order; ``out`` may be the first or second
-    source itself (elementwise in place), never a later one."""
-    uf = _UFUNC_OF[id(op)]
-    if len(sources) == 1:
-        np.copyto(out, sources[0])
-    else:
-        uf(sources[0], sources[1], out=out)
-        for s in sources[2:]:
-            uf(out, s, out=out)
-    if op is ReduceOp.AVG and n > 1:
-        np.true_divide(out, n, out=out, casting="unsafe")
 
 
 def _attach(name: str, watch: SetupWatch) -> Segment:
@@ -257,7 +231,7 @@ class CpuBackend(Backend):
         np.copyto(own, flat)
         self.sync.begin(req)
         assert req.reduce_op is not None
-        _reduce(flat, sources, req.reduce_op, self.size)
+        reduce_in_order(flat, sources, req.reduce_op, self.size)
 
     def _small_slots(self, par: int, dt: Any, count: int) -> tuple[Any, list[Any]]:
         """This rank's slot ``par`` and every rank's, as ``count`` items of ``dt`` (cached:
@@ -307,7 +281,7 @@ class CpuBackend(Backend):
                     chunk[lo:hi] if q == me else p.slots[par].view(dt)[lo:hi]
                     for q, p in enumerate(self.views)
                 ]
-                _reduce(self.mine.res.view(dt)[lo:hi], sources, op, n)
+                reduce_in_order(self.mine.res.view(dt)[lo:hi], sources, op, n)
             self.sync.phase(req)
             if gather_to < 0 or gather_to == me:
                 for q, (lo, hi) in enumerate(bounds):
@@ -330,7 +304,7 @@ class CpuBackend(Backend):
             for start in range(lo, hi, per):
                 stop = min(hi, start + per)
                 mine = views[me][start:stop]
-                _reduce(mine, [v[start:stop] for v in views], op, self.size)
+                reduce_in_order(mine, [v[start:stop] for v in views], op, self.size)
                 for q, v in enumerate(views):
                     if q != me:
                         v[start:stop] = mine
@@ -340,7 +314,7 @@ class CpuBackend(Backend):
             for start in range(lo, hi, per):
                 stop = min(hi, start + per)
                 out = res[: stop - start]
-                _reduce(out, [v[start:stop] for v in views], op, self.size)
+                reduce_in_order(out, [v[start:stop] for v in views], op, self.size)
                 for v in views:
                     v[start:stop] = out
         self.sync.phase(req)  # nobody returns (and reuses its array) before all slices landed
@@ -355,7 +329,7 @@ class CpuBackend(Backend):
             if self.rank == req.root:
                 assert req.reduce_op is not None
                 sources = [p.slots[par][:nb].view(flat.dtype) for p in self.views]
-                _reduce(flat, sources, req.reduce_op, self.size)
+                reduce_in_order(flat, sources, req.reduce_op, self.size)
             return
         self._all_reduce_chunks(req, flat, first_done=False, gather_to=req.root)
 
@@ -419,7 +393,7 @@ class CpuBackend(Backend):
         assert op is not None
         for start, m, pieces in self._exchange_blocks(req):
             if m:
-                _reduce(out[start : start + m], pieces, op, self.size)
+                reduce_in_order(out[start : start + m], pieces, op, self.size)
 
     def _do_all_to_all(self, req: Request) -> None:
         out_blocks = req.out.reshape(self.size, -1)

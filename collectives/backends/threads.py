@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from .._registry import register_backend
 from . import _threads_nccl, _threads_numpy  # noqa: F401  (importing registers the engines)
+from ._reduce import reduce_in_order
 from ._threads_engines import (
     EngineSpec,
     ThreadEngine,
@@ -51,6 +52,7 @@ __all__ = [
     "ThreadJob",
     "device_kind",
     "engine_kinds",
+    "reduce_in_order",
     "register_engine",
     "unregister_engine",
 ]

@@ -17,12 +17,10 @@ test gets a fresh one) and the stuck rank's group timeout ends it later.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import collectives  # noqa: F401  (registers the backends)
@@ -33,6 +31,7 @@ from collectives._group import ProcessGroup
 from collectives._registry import get_backend_spec
 from collectives._store import TCPStore
 from tests.collectives.harness import free_port
+from tests.collectives.threads_pool import Reply, resolve
 
 
 class _PerThreadWorld:
@@ -85,36 +84,8 @@ def per_thread_worlds() -> Iterator[_PerThreadWorld]:
                 _proxy = None
 
 
-@dataclass
-class Reply:
-    """One rank's answer (see :class:`tests.collectives.harness.Reply`)."""
-
-    rank: int
-    ok: bool
-    result: Any = None
-    error: str = ""
-    missing: bool = False
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"rank {self.rank}: ok -> {self.result!r}"[:600]
-        if self.missing:
-            return f"rank {self.rank}: no reply before the deadline"
-        return f"rank {self.rank}: FAILED\n{self.error.rstrip()}"
-
-
 class ThreadPoolError(AssertionError):
     """A command failed or timed out on some rank; the message has every rank's story."""
-
-
-def _resolve(spec: str) -> Callable[..., Any]:
-    module, _, name = spec.partition(":")
-    if not module.startswith("tests."):
-        module = f"tests.collectives.{module}"
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise TypeError(f"{spec} is not callable")
-    return fn
 
 
 class RankThreads:
@@ -267,7 +238,7 @@ class RankThreads:
         """Send a command to ``ranks`` (default all) without waiting; returns them."""
         if self.closed:
             raise ThreadPoolError(f"{self.label}: closed")
-        func = _resolve(fn) if isinstance(fn, str) else fn
+        func = resolve(fn) if isinstance(fn, str) else fn
         targets = list(range(self.world_size) if ranks is None else ranks)
         for r in targets:
             args = {**(kwargs or {}), **((per_rank or {}).get(r, {}))}
