@@ -35,7 +35,8 @@ from tests.collectives import expect
 from tests.collectives.expect import BLOCKS, DTYPE_OPS, MISMATCHES, NUMERIC, results
 from tests.collectives.harness import RankPool
 from tests.collectives.nccl_threads import RankThreads, ThreadPoolError
-from tests.fakes import fake_cupy, fake_nccl
+from tests.fakes import fake_nccl
+from tests.fakes.install import fake_gpu_and_nccl
 from tests.helpers import run_to_end
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,36 +52,11 @@ FAST = 10.0  # "within seconds" on a loaded 2-core machine
 @pytest.fixture(scope="module")
 def fake() -> Iterator[fake_nccl.FakeNccl]:
     """The fake CuPy and the fake NCCL in place of the real ones, for this module's tests."""
-    from tensorlib import _device
-
-    saved_modules = {k: sys.modules.get(k) for k in fake_cupy.make_modules()}
-    saved_device = (_device._cupy, _device._cupy_reason)
-    saved_cache = {k: v for k, v in _device.Device._cache.items() if v.type == "cuda"}
-    already = type(sys.modules.get("cupy")).__name__ == "module" and getattr(
-        sys.modules.get("cupy"), "__version__", ""
-    ).endswith("fake")
-    if not already:
-        fake_cupy.install()
-    _device._cupy = None
-    _device._cupy_reason = None
-    for spec in saved_cache:
-        _device.Device._cache.pop(spec, None)
-    nccl, previous = fake_nccl.install()
-    try:
-        yield nccl
-    finally:
-        _ALL_POOLS.close()
-        _nccl_load.install(previous)
-        if not already:
-            for k, v in saved_modules.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
-            _device._cupy, _device._cupy_reason = saved_device
-            for spec in [k for k, v in _device.Device._cache.items() if v.type == "cuda"]:
-                del _device.Device._cache[spec]
-            _device.Device._cache.update(saved_cache)
+    with fake_gpu_and_nccl() as nccl:
+        try:
+            yield nccl
+        finally:
+            _ALL_POOLS.close()
 
 
 class _Pools:

@@ -7,7 +7,6 @@ GPU). The same on real GPUs: test_threads_gpu.py.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,10 +16,10 @@ import numpy as np
 import pytest
 
 import collectives as C
-from collectives.backends import _nccl_load
 from tests.collectives import expect
 from tests.collectives.threads_pool import ThreadsPool
-from tests.fakes import fake_cupy, fake_nccl
+from tests.fakes import fake_nccl
+from tests.fakes.install import fake_gpu_and_nccl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,33 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def fake() -> Iterator[fake_nccl.FakeNccl]:
     """The fake CuPy and NCCL in place of the real ones (as test_nccl.py installs them)."""
-    from tensorlib import _device
-
-    saved_modules = {k: sys.modules.get(k) for k in fake_cupy.make_modules()}
-    saved_device = (_device._cupy, _device._cupy_reason)
-    saved_cache = {k: v for k, v in _device.Device._cache.items() if v.type == "cuda"}
-    already = getattr(sys.modules.get("cupy"), "__version__", "").endswith("fake")
-    if not already:
-        fake_cupy.install()
-    _device._cupy = None
-    _device._cupy_reason = None
-    for spec in saved_cache:
-        _device.Device._cache.pop(spec, None)
-    nccl, previous = fake_nccl.install()
-    try:
+    with fake_gpu_and_nccl() as nccl:
         yield nccl
-    finally:
-        _nccl_load.install(previous)
-        if not already:
-            for k, v in saved_modules.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
-            _device._cupy, _device._cupy_reason = saved_device
-            for spec in [k for k, v in _device.Device._cache.items() if v.type == "cuda"]:
-                del _device.Device._cache[spec]
-            _device.Device._cache.update(saved_cache)
 
 
 def cupy_all_reduce(rank: int) -> dict[str, Any]:
