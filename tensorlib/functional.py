@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,12 +38,14 @@ _CHECK_ENV = "TENSORLIB_CHECK_INDICES"
 _device_checks: list[tuple[Any, Any, Any, str]] = []
 
 
-def _check_on_device(bad: Any, like: Tensor, message: str) -> None:
-    """With TENSORLIB_CHECK_INDICES=1: count the ``bad`` indices on the GPU and copy the count
-    to pinned memory without waiting (CuPy wraps out-of-range indices instead of raising);
-    raise for an earlier check whose count has arrived (see :func:`check_indices`)."""
-    if os.environ.get(_CHECK_ENV, "") != "1":
+def _check_on_device(mask: Callable[[], Any], like: Tensor, message: str) -> None:
+    """With TENSORLIB_CHECK_INDICES=1 on a GPU: count the bad indices (``mask()``, built only
+    then: elsewhere it would cost ops every step for nothing) on the GPU and copy the count to
+    pinned memory without waiting (CuPy wraps out-of-range indices instead of raising); raise
+    for an earlier check whose count has arrived (see :func:`check_indices`)."""
+    if like.device.type != "cuda" or os.environ.get(_CHECK_ENV, "") != "1":
         return
+    bad = mask()
     cp = like.device.xp
     with like.device:
         count = bad.astype(cp.int64).sum().reshape(1)
@@ -194,8 +197,11 @@ def cross_entropy(
             raise ValueError(f"cross_entropy: target {first} is out of range for {c} classes")
     t = _on_device(t, logits, "cross_entropy", "target")
     if not isinstance(t, np.ndarray) and t.size:
-        bad = ((t < 0) | (t >= c)) & (t != ignore_index)
-        _check_on_device(bad, logits, f"cross_entropy: a target is out of range for {c} classes")
+        _check_on_device(
+            lambda: ((t < 0) | (t >= c)) & (t != ignore_index),
+            logits,
+            f"cross_entropy: a target is out of range for {c} classes",
+        )
     flat = logits
     if logits.ndim == 1:
         flat = logits.reshape(1, c)
@@ -322,7 +328,7 @@ def embedding(indices: Tensor | Any, weight: Tensor, padding_idx: int | None = N
     padding_idx = _padding_index(padding_idx, num, "embedding")
     if not isinstance(idx, np.ndarray) and idx.size:
         _check_on_device(
-            (idx < 0) | (idx >= num),
+            lambda: (idx < 0) | (idx >= num),
             weight,
             f"embedding: an index is out of range for {num} embeddings",
         )
