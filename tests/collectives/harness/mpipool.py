@@ -83,13 +83,24 @@ def _ompi_backing_dir() -> str:
 
     Open MPI leaves its ``sm_segment.*`` files behind when a job is killed or aborted, which
     several tests do on purpose; in this directory they are removed when the session ends.
+    The name carries the session's pid, so a session that was killed before its exit hook
+    ran (SIGTERM, SIGKILL) has its directory removed by the next one.
     """
     global _backing_dir
     if _backing_dir is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        _backing_dir = tempfile.mkdtemp(prefix="dpt-ompi-", dir=base)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _sweep_dead_backing_dirs(base)
+        _backing_dir = tempfile.mkdtemp(prefix=f"dpt-ompi-{os.getpid()}-", dir=base)
         atexit.register(shutil.rmtree, _backing_dir, True)
     return _backing_dir
+
+
+def _sweep_dead_backing_dirs(base: str) -> None:
+    """Remove the backing directories of test sessions whose process is gone."""
+    for entry in Path(base).glob("dpt-ompi-*"):
+        pid = entry.name.split("-")[2]
+        if entry.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
