@@ -246,18 +246,24 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
         env.pop(var, None)
     argv = _worker_argv(engine, args, out)
     if engine in MPIEXEC_ENGINES:
-        return _launch_mpiexec(engine, args.nproc, argv, env)
+        return _launch_mpiexec(engine, args.nproc, argv, env, tmp)
     if engine == "threads":  # one process, its threads the ranks
         return _launch_local(engine, 1, [*argv, "--nproc", str(args.nproc)], env, tmp)
     return _launch_local(engine, args.nproc, argv, env, tmp)
 
 
-def _launch_mpiexec(engine: str, nproc: int, argv: list[str], env: dict[str, str]) -> str | None:
+def _launch_mpiexec(
+    engine: str, nproc: int, argv: list[str], env: dict[str, str], tmp: str
+) -> str | None:
     """``nproc`` ranks of ``argv`` under mpiexec; None on success, else why not."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         return "mpiexec not found (pip install 'dpt[mpi]')"
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # Open MPI names its session directory for mpiexec's pid and leaves it behind when killed;
+    # a later mpiexec given the same pid then fails ("PMIx server's listener thread failed to
+    # start"). A directory of this run's own keeps every launch clear of stale ones.
+    env["TMPDIR"] = tempfile.mkdtemp(prefix=f"mpiexec-{engine}-", dir=tmp)
     if engine in ("mpi", "mpi-nb"):
         env["DPT_MPI_ENGINE"] = "nonblocking" if engine == "mpi-nb" else "blocking"
     cmd = [mpiexec, "-n", str(nproc), *oversubscribe_args(mpiexec), sys.executable, *argv]

@@ -75,42 +75,57 @@ def mpiexec_command(nproc: int) -> list[str]:
     return [exe, "-n", str(nproc), *extra]
 
 
-_backing_dir: str | None = None
+_session_dirs: dict[str, str] = {}
 
 
-def _ompi_backing_dir() -> str:
-    """One directory per test session for Open MPI's shared-memory segments.
-
-    Open MPI leaves its ``sm_segment.*`` files behind when a job is killed or aborted, which
-    several tests do on purpose; in this directory they are removed when the session ends.
-    The name carries the session's pid, so a session that was killed before its exit hook
-    ran (SIGTERM, SIGKILL) has its directory removed by the next one.
-    """
-    global _backing_dir
-    if _backing_dir is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        _sweep_dead_backing_dirs(base)
-        _backing_dir = tempfile.mkdtemp(prefix=f"dpt-ompi-{os.getpid()}-", dir=base)
-        atexit.register(shutil.rmtree, _backing_dir, True)
-    return _backing_dir
+def _session_dir(kind: str, base: str) -> str:
+    """This test session's directory named ``dpt-<kind>-<pid>-*`` under ``base``, made on
+    first use and removed when the session ends. The name carries the session's pid, so a
+    session killed before its exit hook ran (SIGTERM, SIGKILL) has its directory removed by
+    the next one."""
+    if kind not in _session_dirs:
+        _sweep_dead_session_dirs(base, f"dpt-{kind}-")
+        path = tempfile.mkdtemp(prefix=f"dpt-{kind}-{os.getpid()}-", dir=base)
+        atexit.register(shutil.rmtree, path, True)
+        _session_dirs[kind] = path
+    return _session_dirs[kind]
 
 
-def _sweep_dead_backing_dirs(base: str) -> None:
-    """Remove the backing directories of test sessions whose process is gone."""
-    for entry in Path(base).glob("dpt-ompi-*"):
-        pid = entry.name.split("-")[2]
+def _sweep_dead_session_dirs(base: str, prefix: str) -> None:
+    """Remove the directories named ``<prefix><pid>-*`` of test sessions whose process is gone."""
+    for entry in Path(base).glob(f"{prefix}*"):
+        pid = entry.name[len(prefix) :].split("-")[0]
         if entry.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def _ompi_backing_dir() -> str:
+    """Open MPI's shared-memory segments go to this session's directory: Open MPI leaves its
+    ``sm_segment.*`` files behind when a job is killed or aborted, which several tests do on
+    purpose."""
+    return _session_dir("ompi", "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+
+def _launch_tmpdir() -> str:
+    """A fresh TMPDIR for one mpiexec launch.
+
+    Open MPI names its session directory ``$TMPDIR/ompi.<mpiexec's pid>`` and leaves it behind
+    when mpiexec is killed (several tests do that on purpose). Pids wrap (at 32768 on CI), and
+    an mpiexec given the pid of a killed one finds its files and stops: "The PMIx server's
+    listener thread failed to start". A directory per launch never holds another's files.
+    """
+    return tempfile.mkdtemp(prefix="run-", dir=_session_dir("mpiexec", tempfile.gettempdir()))
+
+
 def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for ``mpiexec``: ours without other launchers' variables, plus the
-    root permission, this repository on PYTHONPATH, and Open MPI's shared-memory files in
-    this session's own directory."""
+    root permission, this repository on PYTHONPATH, Open MPI's shared-memory files in this
+    session's own directory, and a TMPDIR of this launch's own."""
     src = os.environ if base is None else base
     env = {k: v for k, v in src.items() if not k.startswith(_SCRUB)}
     env.update(MPI_ROOT_ENV)
     env["OMPI_MCA_btl_sm_backing_directory"] = _ompi_backing_dir()
+    env["TMPDIR"] = _launch_tmpdir()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [src.get("PYTHONPATH")])])
     return env
 
