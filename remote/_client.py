@@ -39,11 +39,10 @@ from ._wire import (
     WELCOME,
     ProtocolError,
     Reader,
-    Seal,
     client_proof,
     hello,
     server_proof,
-    session_key,
+    session_seal,
 )
 
 __all__ = ["ServerInfo", "devices", "dial", "stats"]
@@ -170,7 +169,7 @@ def _handshake(framed: Framed, info: ServerInfo, device: int) -> None:
     if not hmac.compare_digest(proof, server_proof(info.token, sn, cn, device)):
         raise RemoteAuthError(f"remote server {info.where} could not prove it knows the token")
     if info.token is not None:
-        framed.seal = Seal(session_key(info.token, sn, cn, device), server_side=False)
+        framed.seal = session_seal(info.token, sn, cn, device, server=False)
 
 
 def devices(

@@ -8,10 +8,9 @@ from __future__ import annotations
 import socket
 import threading
 
-from ._wire import FRAME_HEADER, MAX_FRAME_BYTES, TAG_BYTES, ProtocolError, Seal
+from collectives.framing import HEADER, TAG_BYTES, Seal, recv_frame, send_frame
 
-# Large payloads go after their header in their own send rather than copied behind it.
-_COPY_LIMIT = 1 << 16
+from ._wire import MAX_FRAME_BYTES, ProtocolError
 
 
 def tune(sock: socket.socket) -> None:
@@ -47,18 +46,7 @@ class Framed:
     def send(self, *payload: bytes) -> None:
         """Send one frame whose payload is the concatenation of ``payload``."""
         with self._send_lock:
-            n = sum(len(p) for p in payload)
-            tag = self.seal.tag(*payload) if self.seal is not None else b""
-            header = FRAME_HEADER.pack(n + len(tag))
-            if n < _COPY_LIMIT:
-                self.sock.sendall(header + b"".join(payload) + tag)
-            else:
-                self.sock.sendall(header)
-                for p in payload:
-                    self.sock.sendall(p)
-                if tag:
-                    self.sock.sendall(tag)
-            self.sent += FRAME_HEADER.size + n + len(tag)
+            self.sent += send_frame(self.sock, self.seal, *payload)
 
     def recv(self, limit: int = MAX_FRAME_BYTES) -> memoryview:
         """The next frame's payload (its tag checked and removed when sealed).
@@ -67,27 +55,9 @@ class Framed:
             ProtocolError: a length outside ``1..limit`` or a wrong tag.
             EOFError: the peer closed the connection.
         """
-        extra = TAG_BYTES if self.seal is not None else 0
-        (n,) = FRAME_HEADER.unpack(self._exact(FRAME_HEADER.size))
-        if n <= extra or n > limit + extra:
-            raise ProtocolError(f"frame length {n} outside {extra + 1}..{limit + extra}")
-        body = memoryview(self._exact(n))
-        self.received += FRAME_HEADER.size + n
-        if self.seal is None:
-            return body
-        self.seal.check(body[:-TAG_BYTES], body[-TAG_BYTES:])
-        return body[:-TAG_BYTES]
-
-    def _exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise EOFError("the peer closed the connection")
-            got += k
-        return buf
+        body = recv_frame(self.sock, self.seal, limit, ProtocolError)
+        self.received += HEADER.size + len(body) + (TAG_BYTES if self.seal is not None else 0)
+        return body
 
     def close(self) -> None:
         for fn in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):

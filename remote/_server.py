@@ -41,12 +41,11 @@ from ._wire import (
     WELCOME,
     ProtocolError,
     Reader,
-    Seal,
     client_proof,
     parse_hello,
     refused,
     server_proof,
-    session_key,
+    session_seal,
 )
 from ._worker import Worker
 
@@ -234,7 +233,7 @@ class Server:
         proof_s = server_proof(token, sn, cn, device)
         framed.send(U8.pack(WELCOME) + U8.pack(len(proof_s)) + proof_s)
         if token is not None:
-            framed.seal = Seal(session_key(token, sn, cn, device), server_side=True)
+            framed.seal = session_seal(token, sn, cn, device, server=True)
         if device != CONTROL:
             return device
         r = Reader(framed.recv(MAX_HELLO_FRAME))

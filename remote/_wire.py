@@ -8,12 +8,14 @@ record inline with these structs and every other value through :meth:`Reader.val
 
 Frames
 ------
-Every message is a frame: a 4-byte little-endian payload length ``n`` (``1 <= n <=
-MAX_FRAME_BYTES``; ``MAX_HELLO_FRAME`` before the handshake is done) and ``n`` bytes. With a
-token, every frame after the handshake ends in a 32-byte tag ``HMAC-SHA256(session key,
-direction + u64 seq + payload)`` (direction ``b"C"`` from the client, ``b"S"`` from the
-server, ``seq`` counting that direction's frames from 0), counted by the length: a frame
-altered, dropped, replayed or reordered fails its tag and the connection is closed.
+Every message is a frame of ``collectives.framing`` (the rendezvous store's too): a 4-byte
+big-endian payload length ``n`` (``1 <= n <= MAX_FRAME_BYTES``; ``MAX_HELLO_FRAME`` before
+the handshake is done) and ``n`` bytes. With a token, every frame after the handshake ends in
+a 32-byte tag ``HMAC-SHA256(session key, direction + big-endian u64 seq + payload)``
+(direction ``b"C"`` from the client, ``b"S"`` from the server, ``seq`` counting that
+direction's frames from 0), counted by the length: a frame altered, dropped, replayed or
+reordered fails its tag and the connection is closed. Inside a frame everything is
+little-endian.
 
 Handshake (TLS, when used, wraps the socket first)::
 
@@ -71,10 +73,11 @@ from typing import Any
 
 import numpy as np
 
+from collectives.framing import Seal
+
 PROTOCOL_VERSION = 2
 MAGIC = b"DPTR"
 NONCE_BYTES = 32
-TAG_BYTES = 32
 MAX_HELLO_FRAME = 256
 MAX_FRAME_BYTES = 1 << 30
 MAX_NDIM = 32
@@ -144,7 +147,6 @@ U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 F64 = struct.Struct("<d")
-FRAME_HEADER = U32
 RECORD_HEAD = struct.Struct("<HBIB")
 _TAG_INT = struct.Struct("<Bq")
 _TAG_FLOAT = struct.Struct("<Bd")
@@ -426,10 +428,6 @@ def server_proof(token: bytes | None, sn: bytes, cn: bytes, device: int) -> byte
     return b"" if token is None else _mac(token, b"dpt-remote v1 server", sn, cn, device)
 
 
-def session_key(token: bytes, sn: bytes, cn: bytes, device: int) -> bytes:
-    return _mac(token, b"dpt-remote v1 session", sn, cn, device)
-
-
 def hello(device: int, cn: bytes, proof: bytes) -> bytes:
     return _HELLO_HEAD.pack(HELLO, PROTOCOL_VERSION, device, cn, len(proof)) + proof
 
@@ -445,27 +443,8 @@ def parse_hello(payload: bytes) -> tuple[int, int, bytes, bytes]:
     return int(version), int(device), bytes(cn), proof
 
 
-class Seal:
-    """Tags outgoing and checks incoming frames of one connection (see the module doc)."""
-
-    __slots__ = ("key", "recv_dir", "recv_seq", "send_dir", "send_seq")
-
-    def __init__(self, key: bytes, server_side: bool) -> None:
-        self.key = key
-        self.send_dir, self.recv_dir = (b"S", b"C") if server_side else (b"C", b"S")
-        self.send_seq = 0
-        self.recv_seq = 0
-
-    def tag(self, *payload: bytes | memoryview) -> bytes:
-        mac = hmac.new(self.key, self.send_dir + U64.pack(self.send_seq), hashlib.sha256)
-        for part in payload:
-            mac.update(part)
-        self.send_seq += 1
-        return mac.digest()
-
-    def check(self, payload: memoryview, tag: memoryview) -> None:
-        mac = hmac.new(self.key, self.recv_dir + U64.pack(self.recv_seq), hashlib.sha256)
-        mac.update(payload)
-        if not hmac.compare_digest(mac.digest(), bytes(tag)):
-            raise ProtocolError("a frame failed its integrity tag (altered, replayed or lost)")
-        self.recv_seq += 1
+def session_seal(token: bytes, sn: bytes, cn: bytes, device: int, *, server: bool) -> Seal:
+    """The seal of one end of a session's connection, once both proofs checked out (the
+    framing's, ``collectives.framing``; a wrong tag raises :class:`ProtocolError`)."""
+    key = _mac(token, b"dpt-remote v1 session", sn, cn, device)
+    return Seal(key, server=server, error=ProtocolError)

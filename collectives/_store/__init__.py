@@ -15,6 +15,7 @@ evaluated; unauthenticated peers may only send frames of at most ``MAX_HELLO_FRA
 and ``_limits`` caps what any peer can make the server hold.
 
 Where things are: ``_wire`` (the protocol's specification, constants and frame codec),
+``_framing`` (frames and their seal, shared with ``remote`` as ``collectives.framing``),
 ``_actions`` (what each request does, one handler per opcode), ``_server`` (the selector loop,
 handshake and waiting requests), ``_client`` (``TCPStore``: requests, replies, the connection
 pool), ``_connection`` (connecting with retries, the client's handshake, the secret),

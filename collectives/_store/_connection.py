@@ -15,27 +15,25 @@ import time
 from collections.abc import Callable
 
 from ._errors import StoreAuthError, StoreConnectionError, StoreError, StoreTimeoutError
+from ._framing import Seal, recv_frame, send_frame
 from ._wire import (
     FLAG_AUTH,
-    FRAME_HEADER_BYTES,
     MAX_FRAME_BYTES,
     MAX_HELLO_FRAME,
     MAX_HELLO_REPLY_FRAME,
     MAX_MAC_BYTES,
     NONCE_BYTES,
     PROTOCOL_VERSION,
-    TAG_BYTES,
-    U32,
     ErrorKind,
     Greeting,
     ProtocolError,
     Reader,
-    Seal,
     Status,
     client_proof,
     hello_payload,
     parse_greeting,
     server_proof,
+    session_seal,
 )
 
 SECRET_ENV_VAR = "DPT_STORE_SECRET"
@@ -47,8 +45,6 @@ _FIRST_RETRY_DELAY = 0.01
 _LONGEST_RETRY_DELAY = 0.5
 # The handshake of a server that accepted the connection gets at least this long.
 _MIN_HANDSHAKE_TIMEOUT = 1.0
-# Payloads at least this large are sent after their length prefix, not copied behind it.
-_COPY_LIMIT = 1 << 16
 
 
 class Connection:
@@ -76,42 +72,16 @@ class Connection:
             pass
 
     def send(self, payload: bytes) -> None:
-        tag = self.seal.tag(payload) if self.seal is not None else b""
-        header = U32.pack(len(payload) + len(tag))
-        if len(payload) < _COPY_LIMIT:
-            self.sock.sendall(header + payload + tag)
-        else:  # avoid copying a large value just to prepend 4 bytes
-            self.sock.sendall(header)
-            self.sock.sendall(payload)
-            self.sock.sendall(tag)
+        send_frame(self.sock, self.seal, payload)
 
     def recv(self, limit: int = MAX_FRAME_BYTES) -> bytes:
         """The next frame's payload (its tag checked and removed when sealed).
 
         Raises:
             ProtocolError: a bad length, or a sealed frame whose tag is wrong.
+            EOFError: the server closed the connection.
         """
-        extra = TAG_BYTES if self.seal is not None else 0
-        (n,) = U32.unpack(self._recv_exact(FRAME_HEADER_BYTES))
-        if n <= extra or n > limit + extra:
-            raise ProtocolError(f"reply frame length {n} outside {extra + 1}..{limit + extra}")
-        body = self._recv_exact(n)
-        if self.seal is None:
-            return body
-        view = memoryview(body)
-        self.seal.check(view[:-TAG_BYTES], view[-TAG_BYTES:])
-        return bytes(view[:-TAG_BYTES])
-
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise EOFError
-            got += k
-        return bytes(buf)
+        return bytes(recv_frame(self.sock, self.seal, limit, ProtocolError))
 
 
 def secret_from(secret: bytes | str | None) -> bytes | None:
@@ -258,7 +228,7 @@ class Dialer:
                     f"({SECRET_ENV_VAR}): refusing to trust it. Another process may hold the "
                     "port, or rank 0 has a different secret; give every rank the same one"
                 )
-            conn.seal = Seal(self.secret, greeting.nonce, nonce, server=False)
+            conn.seal = session_seal(self.secret, greeting.nonce, nonce, server=False)
         return conn
 
     def _check_greeting(self, greeting: Greeting) -> None:

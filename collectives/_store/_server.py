@@ -22,6 +22,7 @@ from collections import OrderedDict, deque
 from . import _actions
 from ._addresses import bind_address, check_exposure, family_of
 from ._errors import StoreError
+from ._framing import TAG_BYTES, Seal
 from ._limits import (
     HANDSHAKE_TIMEOUT,
     MAX_BUFFERED_REQUEST_BYTES,
@@ -36,18 +37,17 @@ from ._wire import (
     MAX_MAC_BYTES,
     NONCE_BYTES,
     PROTOCOL_VERSION,
-    TAG_BYTES,
     U32,
     ErrorKind,
     Op,
     ProtocolError,
     Reader,
-    Seal,
     client_proof,
     error_payload,
     greeting_payload,
     hello_ok_payload,
     server_proof,
+    session_seal,
 )
 
 # Time a server waits for a new connection to finish the handshake before dropping it. Read
@@ -398,7 +398,7 @@ class Server:
         self._pending.pop(conn, None)
         self._send(conn, hello_ok_payload(theirs))
         if self._secret is not None:  # every later frame is sealed, both ways
-            conn.seal = Seal(self._secret, conn.nonce, client_nonce, server=True)
+            conn.seal = session_seal(self._secret, conn.nonce, client_nonce, server=True)
 
     def _handle(self, conn: _ClientConn, r: Reader) -> None:
         outcome = _actions.execute(self._data, r)

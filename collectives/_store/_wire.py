@@ -74,6 +74,8 @@ import math
 import struct
 from typing import NamedTuple
 
+from ._framing import Seal
+
 # 2: mutual challenge-response and sealed frames (1 had the client prove the secret only).
 PROTOCOL_VERSION = 2
 MAGIC = b"DPTS"
@@ -90,8 +92,6 @@ MAX_HELLO_REPLY_FRAME = 4 * MAX_HELLO_FRAME
 # A HELLO's proof field: HMAC-SHA256 needs 32 bytes; anything over this is malformed.
 MAX_MAC_BYTES = 64
 NONCE_BYTES = 32
-# The tag that follows every sealed frame's payload (HMAC-SHA256).
-TAG_BYTES = 32
 # Greeting flags.
 FLAG_AUTH = 0x01  # the server requires the shared secret
 
@@ -307,44 +307,9 @@ def server_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> byt
     return _derive(secret, b"dpt-store v2 server", server_nonce, client_nonce)
 
 
-class Seal:
-    """Tags a connection's outgoing frames and checks its incoming ones (see "Sealed frames").
-
-    One per connection end, made once both proofs checked out; ``server`` says which end.
-    """
-
-    __slots__ = ("_in", "_key", "_out", "received", "sent")
-
-    def __init__(
-        self, secret: bytes, server_nonce: bytes, client_nonce: bytes, *, server: bool
-    ) -> None:
-        self._key = _derive(secret, b"dpt-store v2 session", server_nonce, client_nonce)
-        self._out, self._in = (b"S", b"C") if server else (b"C", b"S")
-        self.sent = 0
-        self.received = 0
-
-    def _tag(self, direction: bytes, seq: int, payload: bytes | memoryview) -> bytes:
-        mac = hmac.new(self._key, direction + struct.pack(">Q", seq), hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()
-
-    def tag(self, payload: bytes | memoryview) -> bytes:
-        """The tag to send after the next outgoing ``payload``."""
-        tag = self._tag(self._out, self.sent, payload)
-        self.sent += 1
-        return tag
-
-    def check(self, payload: bytes | memoryview, tag: bytes | memoryview) -> None:
-        """Check the next incoming frame's ``tag``.
-
-        Raises:
-            ProtocolError: the tag is wrong: the frame was altered, dropped, replayed or
-                reordered on the way.
-        """
-        expected = self._tag(self._in, self.received, payload)
-        self.received += 1
-        if not hmac.compare_digest(expected, bytes(tag)):
-            raise ProtocolError(
-                "frame failed its integrity check (wrong tag): something between the two "
-                "ends altered, dropped or replayed it"
-            )
+def session_seal(secret: bytes, server_nonce: bytes, client_nonce: bytes, *, server: bool) -> Seal:
+    """The :class:`~collectives.framing.Seal` of one connection end (see "Sealed frames"),
+    made once both proofs checked out; ``server`` says which end. A wrong tag raises
+    :class:`ProtocolError`."""
+    key = _derive(secret, b"dpt-store v2 session", server_nonce, client_nonce)
+    return Seal(key, server=server, error=ProtocolError)

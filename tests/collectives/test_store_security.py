@@ -35,7 +35,7 @@ from collectives._store import (
     _addresses,
     is_local_address,
 )
-from collectives._store._wire import ProtocolError, Seal
+from collectives._store._wire import ProtocolError, session_seal
 from tests.collectives.harness import leaked_segments
 from tests.helpers import run_to_end
 
@@ -414,21 +414,21 @@ def test_a_relay_that_rewrites_frames_is_caught(direction: str) -> None:
 def test_sealed_frames_replayed_reordered_or_reflected_fail() -> None:
     # The two ends of one connection: what the relay tests do to bytes, done to whole frames.
     sn, cn = os.urandom(32), os.urandom(32)
-    client = Seal(SECRET.encode(), sn, cn, server=False)
-    server = Seal(SECRET.encode(), sn, cn, server=True)
+    client = session_seal(SECRET.encode(), sn, cn, server=False)
+    server = session_seal(SECRET.encode(), sn, cn, server=True)
     first, second = b"set a", b"set b"
     t1, t2 = client.tag(first), client.tag(second)
     server.check(first, t1)
     with pytest.raises(ProtocolError, match="integrity"):
         server.check(first, t1)  # replayed (and, as the next expected frame, reordered)
-    other = Seal(SECRET.encode(), sn, cn, server=True)
+    other = session_seal(SECRET.encode(), sn, cn, server=True)
     with pytest.raises(ProtocolError, match="integrity"):
         other.check(second, t2)  # the first frame dropped
     reply = server.tag(b"ok")
     with pytest.raises(ProtocolError, match="integrity"):
-        Seal(SECRET.encode(), sn, cn, server=True).check(b"ok", reply)  # reflected back
+        session_seal(SECRET.encode(), sn, cn, server=True).check(b"ok", reply)  # reflected back
     with pytest.raises(ProtocolError, match="integrity"):  # another connection's nonces
-        Seal(SECRET.encode(), sn, os.urandom(32), server=True).check(first, t1)
+        session_seal(SECRET.encode(), sn, os.urandom(32), server=True).check(first, t1)
 
 
 # ----------------------------------------------------------------------------- item 12: limits

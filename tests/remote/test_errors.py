@@ -18,6 +18,7 @@ import pytest
 
 import remote
 import tensorlib as tl
+from collectives.framing import Seal
 from remote import _client, _session, _wire
 
 from .conftest import ROOT, TOKEN, ServerProcess, env, train_mlp
@@ -143,18 +144,18 @@ def _raw(server: remote.Server) -> socket.socket:
     return s
 
 
-def _handshake(server: remote.Server) -> tuple[socket.socket, _wire.Seal]:
+def _handshake(server: remote.Server) -> tuple[socket.socket, Seal]:
     """A raw connection that completed the handshake for device 0."""
     host, port = server.address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
-    (n,) = struct.unpack("<I", s.recv(4))
+    (n,) = struct.unpack(">I", s.recv(4))
     _, _, _, sn = _wire.GREETING.unpack(s.recv(n))
     cn = os.urandom(32)
     hello = _wire.hello(0, cn, _wire.client_proof(TOKEN.encode(), sn, cn, 0))
-    s.sendall(struct.pack("<I", len(hello)) + hello)
-    (n,) = struct.unpack("<I", s.recv(4))
+    s.sendall(struct.pack(">I", len(hello)) + hello)
+    (n,) = struct.unpack(">I", s.recv(4))
     assert s.recv(n)[0] == _wire.WELCOME
-    return s, _wire.Seal(_wire.session_key(TOKEN.encode(), sn, cn, 0), server_side=False)
+    return s, _wire.session_seal(TOKEN.encode(), sn, cn, 0, server=False)
 
 
 def _closed_by_server(s: socket.socket) -> bool:
@@ -174,9 +175,9 @@ def test_fuzzed_frames_close_only_their_connection(
     rng = np.random.default_rng(7)
     hostile: list[bytes] = [
         rng.bytes(300),  # random
-        struct.pack("<I", 1 << 31) + b"x" * 16,  # oversized
-        struct.pack("<I", 200) + b"\x01" * 10,  # truncated, then closed
-        struct.pack("<I", 0),  # empty
+        struct.pack(">I", 1 << 31) + b"x" * 16,  # oversized
+        struct.pack(">I", 200) + b"\x01" * 10,  # truncated, then closed
+        struct.pack(">I", 0),  # empty
     ]
     for blob in hostile:
         s = _raw(local_server)
@@ -193,12 +194,12 @@ def test_fuzzed_frames_close_only_their_connection(
     for payload in (records, garbage):
         s, seal = _handshake(local_server)
         tag = seal.tag(payload)
-        s.sendall(struct.pack("<I", len(payload) + 32) + payload + tag)
+        s.sendall(struct.pack(">I", len(payload) + 32) + payload + tag)
         assert _closed_by_server(s)
         s.close()
     s, seal = _handshake(local_server)
     sync = _wire.RECORDS_HEAD.pack(_wire.RECORDS, 0, 0)
-    frame = struct.pack("<I", len(sync) + 32) + sync + seal.tag(sync)
+    frame = struct.pack(">I", len(sync) + 32) + sync + seal.tag(sync)
     s.sendall(frame + frame)  # the second is a replay: its tag fails
     assert _closed_by_server(s)
     s.close()

@@ -15,6 +15,7 @@ import pytest
 import remote
 import tensorlib as tl
 import tensorlib.functional as F
+from collectives.framing import Seal
 from remote import _fused, _wire
 from tensorlib import nn, optim
 
@@ -109,8 +110,8 @@ def test_a_fused_update_that_fails_poisons_what_it_writes_and_names_its_call_sit
     assert (xp.ones((2,)) * 3).get().tolist() == [3.0, 3.0]  # the session goes on
 
 
-def _sealed(seal: _wire.Seal, payload: bytes) -> bytes:
-    return struct.pack("<I", len(payload) + 32) + payload + seal.tag(payload)
+def _sealed(seal: Seal, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload) + 32) + payload + seal.tag(payload)
 
 
 def _records(*records: bytes, waits: int = 0) -> bytes:
@@ -150,7 +151,7 @@ def _answer(s: socket.socket) -> str:
         head = s.recv(4)
         if not head:
             return "closed"
-        (n,) = struct.unpack("<I", head)
+        (n,) = struct.unpack(">I", head)
         body = b""
         while len(body) < n:
             chunk = s.recv(n - len(body))
