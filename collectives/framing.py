@@ -10,22 +10,8 @@ there).
 
 from __future__ import annotations
 
-from ._store._framing import (
-    HEADER,
-    TAG_BYTES,
-    FrameError,
-    Seal,
-    recv_exact,
-    recv_frame,
-    send_frame,
-)
+from ._store import _framing
+from ._store._framing import *  # noqa: F403  # the names in its __all__
 
-__all__ = [
-    "HEADER",
-    "TAG_BYTES",
-    "FrameError",
-    "Seal",
-    "recv_exact",
-    "recv_frame",
-    "send_frame",
-]
+__all__: list[str] = []
+__all__ += _framing.__all__
