@@ -38,34 +38,34 @@ class TensorOps:
 
     # ------------------------------------------------------------------ arithmetic operators
     def __add__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(self, other)
+        return _binary(_ew.Add, self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(other, self)
+        return _binary(_ew.Add, other, self)
 
     def __sub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(self, other)
+        return _binary(_ew.Sub, self, other)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(other, self)
+        return _binary(_ew.Sub, other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(self, other)
+        return _binary(_ew.Mul, self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(other, self)
+        return _binary(_ew.Mul, other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(self, other)
+        return _binary(_ew.Div, self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(other, self)
+        return _binary(_ew.Div, other, self)
 
     def __pow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(self, other)
+        return _binary(_ew.Pow, self, other)
 
     def __rpow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(other, self)
+        return _binary(_ew.Pow, other, self)
 
     def __neg__(self) -> Tensor:
         return _ew.Neg.apply(self)
@@ -246,3 +246,4 @@ from . import _ops_linalg as _la  # noqa: E402
 from . import _ops_movement as _mv  # noqa: E402
 from . import _ops_nn as _nnf  # noqa: E402
 from . import _ops_reduce as _rd  # noqa: E402
+from ._autograd import binary as _binary  # noqa: E402
