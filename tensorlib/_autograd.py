@@ -211,8 +211,12 @@ def _forward_error(cls: type[Function], exc: Exception, raw: list[Any]) -> Excep
 _new = object.__new__
 
 
-def binary(cls: type[Function], a: Any, b: Any) -> Tensor:
-    """``cls.apply(a, b)`` for the arithmetic operators (``+ - * / **``), by a shorter path.
+def binary_operator(
+    cls: type[Function], name: str, reflected: bool = False
+) -> Callable[[Any, Any], Tensor]:
+    """The operator method ``name`` (``Tensor.__add__``...) that runs ``cls.apply(self, other)``
+    (``cls.apply(other, self)`` when ``reflected``: ``__radd__``...), by a shorter path when
+    it can.
 
     The common case takes it: no autocast anywhere, and the operands are two tensors on one
     device with one floating dtype (the same dtype object), or one such tensor and a Python
@@ -220,53 +224,66 @@ def binary(cls: type[Function], a: Any, b: Any) -> Tensor:
     else, so this path builds the same node and output with fewer steps. Every other case
     (mixed dtypes or devices, NumPy scalars, arrays, integer tensors, autocast on) goes through
     ``apply``. Only for primitives whose ``forward(a, b)`` takes the two operands as they are
-    and whose output stays on their device.
+    and whose output stays on their device (the arithmetic operators).
     """
-    if not _autocast.active:
-        if isinstance(a, Tensor):
-            da = a._data
-            dt = da.dtype
-            dev = a._device
-            ia = a if a.requires_grad else None
-            if isinstance(b, Tensor):
+
+    # The method itself holds the path (no second call: on tiny tensors a call is ~5% of an op).
+    def method(self: Any, other: Any) -> Tensor:
+        if reflected:
+            a, b = other, self
+        else:
+            a, b = self, other
+        if not _autocast.active:
+            if isinstance(a, Tensor):
+                da = a._data
+                dt = da.dtype
+                dev = a._device
+                ia = a if a.requires_grad else None
+                if isinstance(b, Tensor):
+                    db = b._data
+                    ok = b._device is dev and db.dtype is dt
+                    ib = b if b.requires_grad else None
+                else:
+                    db = b
+                    ok = type(b) is float or type(b) is int  # not bool, not NumPy scalars
+                    ib = None
+            else:  # a number on the left (the reflected operators): b is the tensor
                 db = b._data
-                ok = b._device is dev and db.dtype is dt
+                dt = db.dtype
+                dev = b._device
+                da = a
+                ok = type(a) is float or type(a) is int
+                ia = None
                 ib = b if b.requires_grad else None
-            else:
-                db = b
-                ok = type(b) is float or type(b) is int  # not bool, not NumPy scalars
-                ib = None
-        else:  # a number on the left (the reflected operators): b is the tensor
-            db = b._data
-            dt = db.dtype
-            dev = b._device
-            da = a
-            ok = type(a) is float or type(a) is int
-            ia = None
-            ib = b if b.requires_grad else None
-        if ok and dt in FLOATING:
-            ctx = _new(cls)
-            try:
-                out = ctx.forward(da, db)
-            except (ValueError, TypeError, IndexError) as exc:
-                raise _forward_error(cls, exc, [da, db]) from exc
-            if isinstance(out, np.generic):
-                out = np.asarray(out)
-            t = _new(Tensor)
-            t._data = out
-            t._device = dev
-            t._grad = None
-            t._hooks = None
-            if (ia is not None or ib is not None) and _state.enabled:
-                ctx.inputs = (ia, ib)
-                ctx.freed = False
-                t._ctx = ctx
-                t.requires_grad = True
-            else:
-                t._ctx = None
-                t.requires_grad = False
-            return t
-    return cls.apply(a, b)
+            if ok and dt in FLOATING:
+                ctx = _new(cls)
+                try:
+                    out = ctx.forward(da, db)
+                except (ValueError, TypeError, IndexError) as exc:
+                    raise _forward_error(cls, exc, [da, db]) from exc
+                if isinstance(out, np.generic):
+                    out = np.asarray(out)
+                t = _new(Tensor)
+                t._data = out
+                t._device = dev
+                t._grad = None
+                t._hooks = None
+                if (ia is not None or ib is not None) and _state.enabled:
+                    ctx.inputs = (ia, ib)
+                    ctx.freed = False
+                    t._ctx = ctx
+                    t.requires_grad = True
+                else:
+                    t._ctx = None
+                    t.requires_grad = False
+                return t
+        return cls.apply(a, b)
+
+    method.__name__ = name
+    method.__qualname__ = f"TensorOps.{name}"
+    method.__module__ = "tensorlib._tensor_ops"
+    method.__doc__ = f"``{cls.__name__}.apply`` of the operands (see ``binary_operator``)."
+    return method
 
 
 def _unbroadcast(fn: Function, grad: Any, shape: tuple[int, ...]) -> Any:
