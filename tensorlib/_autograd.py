@@ -396,13 +396,15 @@ def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: boo
                     fn.freed = True
                 else:
                     fn.release()
-            if len(result) != len(inputs):
+            n = len(result)
+            if n != len(inputs):
                 raise RuntimeError(
-                    f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
+                    f"Function `{type(fn).__name__}` returned {n} gradients for "
                     f"{len(inputs)} inputs (this is a bug in that function)"
                 )
             shared = None
-            if len(result) > 1:
+            # A binary op with one input that needs no gradient (x + b) shares nothing.
+            if n > 2 or (n == 2 and inputs[0] is not None and inputs[1] is not None):
                 shared, g_owned = _shared_arrays(inputs, result, g, g_owned)
         # strict=False: the lengths were checked, and a strict zip costs time on this path.
         for t, r in zip(inputs, result, strict=False):
@@ -417,7 +419,17 @@ def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: boo
                     owned = g_owned
                 else:
                     owned = _owned(t, r)
-                _wait(grads, key, fn, t, r, owned)
+                data = t._data
+                # The common case inline: the first gradient for t, of its type, shape, dtype.
+                if (
+                    type(r) is type(data)
+                    and r.dtype is data.dtype
+                    and r.shape == data.shape
+                    and key not in grads
+                ):
+                    grads[key] = (r, owned)
+                else:
+                    _wait(grads, key, fn, t, r, owned)
             left = consumers[key] - 1
             consumers[key] = left
             if left == 0:
