@@ -224,8 +224,11 @@ def binary_operator(
     else, so this path builds the same node and output with fewer steps. Every other case
     (mixed dtypes or devices, NumPy scalars, arrays, integer tensors, autocast on) goes through
     ``apply``. Only for primitives whose ``forward(a, b)`` takes the two operands as they are
-    and whose output stays on their device (the arithmetic operators).
+    and whose output stays on their device (the arithmetic operators), and which give
+    ``cls.compute(a, b)``: what ``forward`` returns, computed without a node (used when no
+    graph is recorded).
     """
+    compute = cls.compute  # type: ignore[attr-defined]
 
     # The method itself holds the path (no second call: on tiny tensors a call is ~5% of an op).
     def method(self: Any, other: Any) -> Tensor:
@@ -256,9 +259,13 @@ def binary_operator(
                 ia = None
                 ib = b if b.requires_grad else None
             if ok and dt in FLOATING:
-                ctx = _new(cls)
+                record = (ia is not None or ib is not None) and _state.enabled
                 try:
-                    out = ctx.forward(da, db)
+                    if record:
+                        ctx = _new(cls)
+                        out = ctx.forward(da, db)
+                    else:
+                        out = compute(da, db)
                 except (ValueError, TypeError, IndexError) as exc:
                     raise _forward_error(cls, exc, [da, db]) from exc
                 if isinstance(out, np.generic):
@@ -268,7 +275,7 @@ def binary_operator(
                 t._device = dev
                 t._grad = None
                 t._hooks = None
-                if (ia is not None or ib is not None) and _state.enabled:
+                if record:
                     ctx.inputs = (ia, ib)
                     ctx.freed = False
                     t._ctx = ctx
