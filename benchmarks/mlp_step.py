@@ -196,9 +196,9 @@ def _step_report(
         print(f"  ratio tensorlib/torch: {ratio:.2f}x  (target <= 1.2x)")
 
 
-def _chain_report(n_ops: int, device: str, torch: Any, result: dict[str, Any]) -> None:
+def _chain_report(n_ops: int, rounds: int, device: str, torch: Any, result: dict[str, Any]) -> None:
     """Time the chain of tiny adds in both libraries, print it and add it to ``result``."""
-    chain = op_chain(n_ops, device, torch)
+    chain = op_chain(n_ops, device, torch, rounds)
     result["op_chain"] = chain
     print(f"Chain of {n_ops} adds on 4-element tensors, per add:")
     print(
@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="steps timed per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chain", type=int, default=1000, help="tiny adds in the overhead test")
+    p.add_argument(
+        "--chain-rounds", type=int, default=15, help="alternating rounds of the overhead test"
+    )
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     p.add_argument(
         "--per-op-only", action="store_true", help="only the per-op overhead (chain of tiny adds)"
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         result["torch_threads"] = torch.get_num_threads()
     if not args.per_op_only:
         _step_report(args, sizes, device, torch, result)
-    _chain_report(args.chain, device, torch, result)
+    _chain_report(args.chain, args.chain_rounds, device, torch, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
