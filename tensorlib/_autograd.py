@@ -214,19 +214,14 @@ _new = object.__new__
 def binary_operator(
     cls: type[Function], name: str, reflected: bool = False
 ) -> Callable[[Any, Any], Tensor]:
-    """The operator method ``name`` (``Tensor.__add__``...) that runs ``cls.apply(self, other)``
-    (``cls.apply(other, self)`` when ``reflected``: ``__radd__``...), by a shorter path when
-    it can.
-
-    The common case takes it: no autocast anywhere, and the operands are two tensors on one
-    device with one floating dtype (the same dtype object), or one such tensor and a Python
-    ``float``/``int``. Then ``apply`` would promote nothing, cast nothing and check nothing
-    else, so this path builds the same node and output with fewer steps. Every other case
-    (mixed dtypes or devices, NumPy scalars, arrays, integer tensors, autocast on) goes through
-    ``apply``. Only for primitives whose ``forward(a, b)`` takes the two operands as they are
-    and whose output stays on their device (the arithmetic operators), and which give
-    ``cls.compute(a, b)``: what ``forward`` returns, computed without a node (used when no
-    graph is recorded).
+    """The operator method ``name`` running ``cls.apply(self, other)`` (``(other, self)`` when
+    ``reflected``), by a shorter path in the common case: no autocast anywhere, and two tensors
+    of one floating dtype (the same dtype object) on one device, or one and a Python
+    ``float``/``int``. There ``apply`` would promote, cast and check nothing, so this builds the
+    same output and node in fewer steps; any other case goes through ``apply``. For primitives
+    whose ``forward(a, b)`` takes the operands as they are, whose output stays on their device,
+    and whose ``compute(a, b)`` is ``forward``'s result without a node (used when no graph is
+    recorded): the arithmetic operators.
     """
     compute = cls.compute  # type: ignore[attr-defined]
 
