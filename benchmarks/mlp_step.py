@@ -4,6 +4,7 @@
     python -m benchmarks.mlp_step --device cuda         # CuPy (and torch.cuda if present)
     python -m benchmarks.mlp_step --amp                 # float16 autocast + GradScaler in both
     python -m benchmarks.mlp_step --json out.json
+    python -m benchmarks.mlp_step --per-op-only         # only the chain of tiny adds
 
 A step is forward, cross-entropy, backward and an SGD-with-momentum update, on identical
 shapes, initial weights and batches for both libraries. The two are timed in alternating
@@ -161,27 +162,10 @@ def op_chain(n_ops: int, device: str, torch: Any, rounds: int = 15) -> dict[str,
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print a small report."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", default="784,1024,1024,10", help="layer widths, comma-separated")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--rounds", type=int, default=7, help="alternating rounds")
-    p.add_argument("--iters", type=int, default=5, help="steps timed per round")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--chain", type=int, default=1000, help="tiny adds in the overhead test")
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
-    p.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler in both")
-    p.add_argument("--json", help="write the results to this path")
-    args = p.parse_args(argv)
-    device = "cuda:0" if args.device == "cuda" else args.device
-    sizes = [int(s) for s in args.sizes.split(",")]
-    torch = None if args.no_torch else _try_torch()
-    if device.startswith("cuda") and torch is not None and not torch.cuda.is_available():
-        print("torch has no CUDA here; comparing against tensorlib only", file=sys.stderr)
-        torch = None
-
+def _step_report(
+    args: argparse.Namespace, sizes: list[int], device: str, torch: Any, result: dict[str, Any]
+) -> None:
+    """Time the MLP step in both libraries, print it and add it to ``result``."""
     tl_step, init, x_np, y_np = build_tensorlib_step(sizes, args.batch, device, 0, args.amp)
     steps: dict[str, Callable[[], None]] = {"tensorlib": tl_step}
     if torch is not None:
@@ -196,21 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             times[name].extend(_time(fn, args.iters, sync))
 
     flops = 6 * args.batch * sum(a * b for a, b in itertools.pairwise(sizes))
-    result: dict[str, Any] = {
-        "benchmark": "mlp_step",
-        "sizes": sizes,
-        "batch": args.batch,
-        "device": device,
-        "amp": args.amp,
-        "numpy": np.__version__,
-        "tensorlib": tl.__version__,
-        "torch": getattr(torch, "__version__", None),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "step_ms": {},
-    }
-    if torch is not None:
-        result["torch_threads"] = torch.get_num_threads()
+    result["step_ms"] = {}
     print(
         f"MLP {'-'.join(map(str, sizes))}, batch {args.batch}, "
         f"{'float16 autocast + GradScaler' if args.amp else 'float32'}, {device}, "
@@ -225,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio_tensorlib_over_torch"] = ratio
         print(f"  ratio tensorlib/torch: {ratio:.2f}x  (target <= 1.2x)")
 
-    chain = op_chain(args.chain, device, torch)
+
+def _chain_report(n_ops: int, rounds: int, device: str, torch: Any, result: dict[str, Any]) -> None:
+    """Time the chain of tiny adds in both libraries, print it and add it to ``result``."""
+    chain = op_chain(n_ops, device, torch, rounds)
     result["op_chain"] = chain
-    print(f"Chain of {args.chain} adds on 4-element tensors, per add:")
+    print(f"Chain of {n_ops} adds on 4-element tensors, per add:")
     print(
         f"  tensorlib  {chain['tensorlib_fwd_us']:6.2f} us forward   "
         f"{chain['tensorlib_fwd_bwd_us']:6.2f} us forward+backward"
@@ -242,6 +215,52 @@ def main(argv: list[str] | None = None) -> int:
             f"forward, {chain['tensorlib_fwd_bwd_us'] / chain['torch_fwd_bwd_us']:.2f}x "
             f"forward+backward"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print a small report."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="784,1024,1024,10", help="layer widths, comma-separated")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds")
+    p.add_argument("--iters", type=int, default=5, help="steps timed per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chain", type=int, default=1000, help="tiny adds in the overhead test")
+    p.add_argument(
+        "--chain-rounds", type=int, default=15, help="alternating rounds of the overhead test"
+    )
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    p.add_argument(
+        "--per-op-only", action="store_true", help="only the per-op overhead (chain of tiny adds)"
+    )
+    p.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler in both")
+    p.add_argument("--json", help="write the results to this path")
+    args = p.parse_args(argv)
+    device = "cuda:0" if args.device == "cuda" else args.device
+    sizes = [int(s) for s in args.sizes.split(",")]
+    torch = None if args.no_torch else _try_torch()
+    if device.startswith("cuda") and torch is not None and not torch.cuda.is_available():
+        print("torch has no CUDA here; comparing against tensorlib only", file=sys.stderr)
+        torch = None
+
+    result: dict[str, Any] = {
+        "benchmark": "mlp_step",
+        "sizes": sizes,
+        "batch": args.batch,
+        "device": device,
+        "amp": args.amp,
+        "numpy": np.__version__,
+        "tensorlib": tl.__version__,
+        "torch": getattr(torch, "__version__", None),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch is not None:
+        result["torch_threads"] = torch.get_num_threads()
+    if not args.per_op_only:
+        _step_report(args, sizes, device, torch, result)
+    _chain_report(args.chain, args.chain_rounds, device, torch, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

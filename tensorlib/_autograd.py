@@ -1,4 +1,6 @@
-"""Reverse-mode autodiff: the :class:`Function` base, grad mode and the backward engine.
+"""Reverse-mode autodiff: the :class:`Function` base, the operators' shorter path and the engine.
+
+Grad mode (``no_grad``...) lives in ``_grad_mode`` and is re-exported here.
 
 The engine works on raw arrays (NumPy or CuPy), never builds a graph while differentiating,
 and walks the graph iteratively, so graph depth is limited only by memory.
@@ -20,15 +22,15 @@ Hooks used by DistributedDataParallel:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from . import _autocast
 from ._device import device_of
 from ._dtype import FLOATING, promote_operands
+from ._grad_mode import _state, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 
 __all__ = [
     "Function",
@@ -39,66 +41,7 @@ __all__ = [
     "set_grad_enabled",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
 _NUMBERS = (int, float)
-
-
-class _GradState(threading.local):
-    def __init__(self) -> None:
-        self.enabled = True
-        # One list of queued callbacks per backward() call in progress on this thread.
-        self.callback_stack: list[list[Callable[[], None]]] = []
-        # Leaves (by id) whose grad buffer an op already wrote into in this backward.
-        self.taken: set[int] = set()
-
-
-_state = _GradState()
-
-
-def is_grad_enabled() -> bool:
-    """Return True when operations record the graph for backward."""
-    return _state.enabled
-
-
-class set_grad_enabled:
-    """Context manager (and decorator) that turns graph recording on or off."""
-
-    def __init__(self, mode: bool) -> None:
-        self.mode = bool(mode)
-        self.prev = True
-
-    def __enter__(self) -> None:
-        self.prev = _state.enabled
-        _state.enabled = self.mode
-
-    def __exit__(self, *exc: object) -> None:
-        _state.enabled = self.prev
-
-    def __call__(self, fn: F) -> F:
-        mode = self.mode
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with set_grad_enabled(mode):
-                return fn(*args, **kwargs)
-
-        wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-        wrapper.__doc__ = fn.__doc__
-        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
-
-
-class no_grad(set_grad_enabled):
-    """Disable graph recording: ``with no_grad(): ...`` or ``@no_grad()``."""
-
-    def __init__(self) -> None:
-        super().__init__(False)
-
-
-class enable_grad(set_grad_enabled):
-    """Re-enable graph recording inside a ``no_grad`` block."""
-
-    def __init__(self) -> None:
-        super().__init__(True)
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -158,6 +101,7 @@ class Function:
 
     _saved_names: tuple[str, ...] = ()
     _has_dict = False
+    _plain_release = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -170,6 +114,8 @@ class Function:
         # Known once per class: asking a slotted instance for its __dict__ raises inside
         # getattr, which is slow on the backward path.
         cls._has_dict = cls.__dictoffset__ != 0
+        # Nothing saved and release() not overridden: the engine drops the edges itself.
+        cls._plain_release = not names and not cls._has_dict and cls.release is Function.release
 
     def release(self) -> None:
         """Drop saved intermediates (called by the engine once backward passed this node)."""
@@ -236,7 +182,7 @@ class Function:
         try:
             out = ctx.forward(*raw, **kwargs)
         except (ValueError, TypeError, IndexError) as exc:
-            raise type(exc)(f"{cls.__name__}: {exc} (inputs: {_describe(tuple(raw))})") from exc
+            raise _forward_error(cls, exc, raw) from exc
         if isinstance(out, np.generic):  # NumPy returns scalars from 0-d ufuncs and reductions
             out = np.asarray(out)
         if dev is None or cls.moves_device:
@@ -255,6 +201,91 @@ class Function:
             t._ctx = None
             t.requires_grad = False
         return t
+
+
+def _forward_error(cls: type[Function], exc: Exception, raw: list[Any]) -> Exception:
+    """``exc`` from ``cls.forward``, again, with the op's name and its inputs' shapes."""
+    return type(exc)(f"{cls.__name__}: {exc} (inputs: {_describe(tuple(raw))})")
+
+
+_new = object.__new__
+
+
+def binary_operator(
+    cls: type[Function], name: str, reflected: bool = False
+) -> Callable[[Any, Any], Tensor]:
+    """The operator method ``name`` running ``cls.apply(self, other)`` (``(other, self)`` when
+    ``reflected``), by a shorter path in the common case: no autocast anywhere, and two tensors
+    of one floating dtype (the same dtype object) on one device, or one and a Python
+    ``float``/``int``. There ``apply`` would promote, cast and check nothing, so this builds the
+    same output and node in fewer steps; any other case goes through ``apply``. For primitives
+    whose ``forward(a, b)`` takes the operands as they are, whose output stays on their device,
+    and whose ``compute(a, b)`` is ``forward``'s result without a node (used when no graph is
+    recorded): the arithmetic operators.
+    """
+    compute = cls.compute  # type: ignore[attr-defined]
+
+    # The method itself holds the path (no second call: on tiny tensors a call is ~5% of an op).
+    def method(self: Any, other: Any) -> Tensor:
+        if reflected:
+            a, b = other, self
+        else:
+            a, b = self, other
+        if not _autocast.active:
+            if isinstance(a, Tensor):
+                da = a._data
+                dt = da.dtype
+                dev = a._device
+                ia = a if a.requires_grad else None
+                if isinstance(b, Tensor):
+                    db = b._data
+                    ok = b._device is dev and db.dtype is dt
+                    ib = b if b.requires_grad else None
+                else:
+                    db = b
+                    ok = type(b) is float or type(b) is int  # not bool, not NumPy scalars
+                    ib = None
+            else:  # a number on the left (the reflected operators): b is the tensor
+                db = b._data
+                dt = db.dtype
+                dev = b._device
+                da = a
+                ok = type(a) is float or type(a) is int
+                ia = None
+                ib = b if b.requires_grad else None
+            if ok and dt in FLOATING:
+                record = (ia is not None or ib is not None) and _state.enabled
+                try:
+                    if record:
+                        ctx = _new(cls)
+                        out = ctx.forward(da, db)
+                    else:
+                        out = compute(da, db)
+                except (ValueError, TypeError, IndexError) as exc:
+                    raise _forward_error(cls, exc, [da, db]) from exc
+                if isinstance(out, np.generic):
+                    out = np.asarray(out)
+                t = _new(Tensor)
+                t._data = out
+                t._device = dev
+                t._grad = None
+                t._hooks = None
+                if record:
+                    ctx.inputs = (ia, ib)
+                    ctx.freed = False
+                    t._ctx = ctx
+                    t.requires_grad = True
+                else:
+                    t._ctx = None
+                    t.requires_grad = False
+                return t
+        return cls.apply(a, b)
+
+    method.__name__ = name
+    method.__qualname__ = f"TensorOps.{name}"
+    method.__module__ = "tensorlib._tensor_ops"
+    method.__doc__ = f"``{cls.__name__}.apply`` of the operands (see ``binary_operator``)."
+    return method
 
 
 def _unbroadcast(fn: Function, grad: Any, shape: tuple[int, ...]) -> Any:
@@ -331,7 +362,7 @@ def _seed(root: Tensor, grad: Any | None) -> tuple[Any, bool]:
 # The engine keeps its bookkeeping in three places (as chainer's `_backprop` and tinygrad's
 # engine keep theirs central): how many gradients each node and leaf waits for
 # (_count_consumers), the order nodes run in (_run_graph), and which gradient arrays the
-# engine owns, so that it may sum into them in place (_collect, _shared_arrays). Gradients on
+# engine owns, so that it may sum into them in place (_owned, _shared_arrays, _wait). Gradients on
 # their way to a node or leaf wait in {id(node or leaf): (array, owned)}.
 _Waiting = dict[int, tuple[Any, bool]]
 
@@ -350,27 +381,57 @@ def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: boo
         fn = ready.pop()
         inputs = fn.inputs  # read before release() drops them
         entry = grads.pop(id(fn), None)
-        # No entry: no gradient reached this node (its consumers returned None for it). Its
-        # inputs are still counted down below: otherwise a leaf also reached through another
-        # path would never reach 0 and never get its .grad or hooks.
-        if entry is not None:
+        if entry is None:
+            # No gradient reached this node (its consumers returned None for it). Its inputs
+            # are still counted down below: otherwise a leaf also reached through another path
+            # would never reach 0 and never get its .grad or hooks.
+            result: tuple[Any, ...] = (None,) * len(inputs)
+            shared = None
+        else:
             g, g_owned = entry
             result = fn.backward(g)
             if not isinstance(result, tuple):
                 result = (result,)
             if not retain_graph:
-                fn.release()
-            if len(result) != len(inputs):
+                if fn._plain_release:  # nothing saved: release() would only do this
+                    fn.inputs = ()
+                    fn.freed = True
+                else:
+                    fn.release()
+            n = len(result)
+            if n != len(inputs):
                 raise RuntimeError(
-                    f"Function `{type(fn).__name__}` returned {len(result)} gradients for "
+                    f"Function `{type(fn).__name__}` returned {n} gradients for "
                     f"{len(inputs)} inputs (this is a bug in that function)"
                 )
-            _collect(grads, fn, inputs, result, g, g_owned)
-        for t in inputs:
+            shared = None
+            # A binary op with one input that needs no gradient (x + b) shares nothing.
+            if n > 2 or (n == 2 and inputs[0] is not None and inputs[1] is not None):
+                shared, g_owned = _shared_arrays(inputs, result, g, g_owned)
+        # strict=False: the lengths were checked, and a strict zip costs time on this path.
+        for t, r in zip(inputs, result, strict=False):
             if t is None:
                 continue
             tctx = t._ctx
             key = id(tctx) if tctx is not None else id(t)
+            if r is not None:
+                if shared is not None and id(r) in shared:
+                    owned = False
+                elif r is g:
+                    owned = g_owned
+                else:
+                    owned = _owned(t, r)
+                data = t._data
+                # The common case inline: the first gradient for t, of its type, shape, dtype.
+                if (
+                    type(r) is type(data)
+                    and r.dtype is data.dtype
+                    and r.shape == data.shape
+                    and key not in grads
+                ):
+                    grads[key] = (r, owned)
+                else:
+                    _wait(grads, key, fn, t, r, owned)
             left = consumers[key] - 1
             consumers[key] = left
             if left == 0:
@@ -389,7 +450,6 @@ def _count_consumers(root_fn: Function) -> dict[int, int]:
         RuntimeError: when a node's saved intermediates were freed by an earlier backward.
     """
     counts: dict[int, int] = {}
-    seen = {id(root_fn)}
     stack = [root_fn]
     while stack:
         fn = stack.pop()
@@ -403,67 +463,61 @@ def _count_consumers(root_fn: Function) -> dict[int, int]:
             if t is None:
                 continue
             tctx = t._ctx
-            key = id(tctx) if tctx is not None else id(t)
-            counts[key] = counts.get(key, 0) + 1
-            if tctx is not None and key not in seen:
-                seen.add(key)
-                stack.append(tctx)
+            if tctx is None:
+                key = id(t)
+                counts[key] = counts.get(key, 0) + 1
+            else:
+                # A node is in `counts` once it was reached: only the first visit goes below it
+                # (the root is nobody's input, so it never comes back).
+                key = id(tctx)
+                n = counts.get(key)
+                if n is None:
+                    counts[key] = 1
+                    stack.append(tctx)
+                else:
+                    counts[key] = n + 1
     return counts
 
 
-def _collect(
-    grads: _Waiting,
-    fn: Function,
-    inputs: tuple[Tensor | None, ...],
-    result: tuple[Any, ...],
-    g: Any,
-    g_owned: bool,
-) -> None:
-    """Add the gradients ``fn.backward(g)`` returned into what ``fn``'s inputs wait for.
+def _owned(t: Tensor, r: Any) -> bool:
+    """Whether the engine owns ``r``, a gradient for ``t`` that is neither ``g`` nor shared:
+    new arrays are; a view only when it is the leaf's grad buffer (see :func:`take_grad_buffer`),
+    which is meant to become ``.grad``."""
+    if getattr(r, "base", None) is None:
+        return True
+    buf = getattr(t, "_grad_buffer", None) if t._ctx is None else None
+    return buf is not None and r is buf._data
 
-    Each is first brought to its input's shape (un-broadcast: the one place that happens) and
-    dtype. Ownership: a gradient may be summed into in place, or become a leaf's ``.grad``
-    without a copy, only if nothing else can see it. New arrays are owned; ``g`` is owned as
-    far as it was (``g_owned``) unless a view of it escaped; an array returned for two inputs
-    is owned by neither (see :func:`_shared_arrays`); any other view is owned only when it is
-    the leaf's grad buffer (see :func:`take_grad_buffer`), which is meant to become ``.grad``.
+
+def _wait(grads: _Waiting, key: int, fn: Function, t: Tensor, r: Any, owned: bool) -> None:
+    """Add ``r``, a gradient ``fn.backward`` returned for its input ``t``, into what ``t``
+    waits for (``grads[key]``).
+
+    It is first brought to ``t``'s shape (un-broadcast: the one place that happens) and
+    dtype. Ownership (``owned``, see :func:`_run_graph`): a gradient may be summed into in
+    place, or become a leaf's ``.grad`` without a copy, only if nothing else can see it. New
+    arrays are owned; ``g`` is owned as far as it was unless a view of it escaped; an array
+    returned for two inputs is owned by neither (see :func:`_shared_arrays`).
     """
-    shared = None
-    if len(result) > 1:
-        shared, g_owned = _shared_arrays(inputs, result, g, g_owned)
-    # strict=False: the caller checked the lengths, and a strict zip costs time on this path.
-    for t, r in zip(inputs, result, strict=False):
-        if t is None or r is None:
-            continue
-        if shared is not None and id(r) in shared:
-            owned = False
-        elif r is g:
-            owned = g_owned
-        elif getattr(r, "base", None) is None:
-            owned = True
-        else:
-            buf = getattr(t, "_grad_buffer", None) if t._ctx is None else None
-            owned = buf is not None and r is buf._data
-        if isinstance(r, np.generic):
-            r = np.asarray(r)
-            owned = True
-        data = t._data
-        if r.shape != data.shape:
-            r = _unbroadcast(fn, r, data.shape)
-            owned = owned or _owns(r)
-        if r.dtype != data.dtype:
-            r = r.astype(data.dtype)
-            owned = True
-        tctx = t._ctx
-        key = id(tctx) if tctx is not None else id(t)
-        prev = grads.get(key)
-        if prev is None:
-            grads[key] = (r, owned)
-        elif prev[1]:
-            acc = prev[0]
-            acc += r  # ours alone: sum in place
-        else:
-            grads[key] = (prev[0] + r, True)
+    if isinstance(r, np.generic):
+        r = np.asarray(r)
+        owned = True
+    data = t._data
+    if r.shape != data.shape:
+        r = _unbroadcast(fn, r, data.shape)
+        owned = owned or _owns(r)
+    rdt = r.dtype
+    if rdt is not data.dtype and rdt != data.dtype:
+        r = r.astype(data.dtype)
+        owned = True
+    prev = grads.get(key)
+    if prev is None:
+        grads[key] = (r, owned)
+    elif prev[1]:
+        acc = prev[0]
+        acc += r  # ours alone: sum in place
+    else:
+        grads[key] = (prev[0] + r, True)
 
 
 def _shared_arrays(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,8 @@ class Add(Function):
     __slots__ = ()
     promote_from = 0
 
+    compute = staticmethod(operator.add)  # forward without a node (see binary_operator)
+
     def forward(self, a: Any, b: Any) -> Any:
         return a + b
 
@@ -62,6 +65,8 @@ class Sub(Function):
     __slots__ = ()
     promote_from = 0
 
+    compute = staticmethod(operator.sub)  # forward without a node (see binary_operator)
+
     def forward(self, a: Any, b: Any) -> Any:
         return a - b
 
@@ -72,6 +77,8 @@ class Sub(Function):
 class Mul(Function):
     __slots__ = ("a", "b")
     promote_from = 0
+
+    compute = staticmethod(operator.mul)  # forward without a node (see binary_operator)
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
@@ -88,6 +95,8 @@ class Div(Function):
     promote_from = 0
     float_result = True  # torch: int tensors give float32
 
+    compute = staticmethod(operator.truediv)  # forward without a node (see binary_operator)
+
     def forward(self, a: Any, b: Any) -> Any:
         self.b = b
         self.out = out = a / b
@@ -103,6 +112,8 @@ class Pow(Function):
     __slots__ = ("a", "b", "out")
     promote_from = 0
     autocast = "float32"
+
+    compute = staticmethod(operator.pow)  # forward without a node (see binary_operator)
 
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b

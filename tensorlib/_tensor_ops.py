@@ -13,6 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
+# Loaded from _autograd's last line, when Function and binary_operator exist (and Tensor not
+# yet): the elementwise primitives need only Function, and the operators are built from them.
+from . import _ops_elementwise as _ew
+from ._autograd import binary_operator
+
 if TYPE_CHECKING:
     from ._device import Device
     from ._tensor import Tensor
@@ -37,35 +42,17 @@ class TensorOps:
         def ndim(self) -> int: ...
 
     # ------------------------------------------------------------------ arithmetic operators
-    def __add__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(self, other)
-
-    def __radd__(self, other: Any) -> Tensor:
-        return _ew.Add.apply(other, self)
-
-    def __sub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(self, other)
-
-    def __rsub__(self, other: Any) -> Tensor:
-        return _ew.Sub.apply(other, self)
-
-    def __mul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(self, other)
-
-    def __rmul__(self, other: Any) -> Tensor:
-        return _ew.Mul.apply(other, self)
-
-    def __truediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(self, other)
-
-    def __rtruediv__(self, other: Any) -> Tensor:
-        return _ew.Div.apply(other, self)
-
-    def __pow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(self, other)
-
-    def __rpow__(self, other: Any) -> Tensor:
-        return _ew.Pow.apply(other, self)
+    # One shorter path for the common case in each (see `_autograd.binary_operator`).
+    __add__ = binary_operator(_ew.Add, "__add__")
+    __radd__ = binary_operator(_ew.Add, "__radd__", reflected=True)
+    __sub__ = binary_operator(_ew.Sub, "__sub__")
+    __rsub__ = binary_operator(_ew.Sub, "__rsub__", reflected=True)
+    __mul__ = binary_operator(_ew.Mul, "__mul__")
+    __rmul__ = binary_operator(_ew.Mul, "__rmul__", reflected=True)
+    __truediv__ = binary_operator(_ew.Div, "__truediv__")
+    __rtruediv__ = binary_operator(_ew.Div, "__rtruediv__", reflected=True)
+    __pow__ = binary_operator(_ew.Pow, "__pow__")
+    __rpow__ = binary_operator(_ew.Pow, "__rpow__", reflected=True)
 
     def __neg__(self) -> Tensor:
         return _ew.Neg.apply(self)
@@ -241,7 +228,6 @@ class TensorOps:
         return _nnf.LogSoftmax.apply(self, axis=axis)
 
 
-from . import _ops_elementwise as _ew  # noqa: E402  (they import _autograd, which imports Tensor)
 from . import _ops_linalg as _la  # noqa: E402
 from . import _ops_movement as _mv  # noqa: E402
 from . import _ops_nn as _nnf  # noqa: E402
