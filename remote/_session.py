@@ -101,6 +101,7 @@ class Session:
         self._bytes = 0
         self._waits = 0  # READ and SYNC records in the buffer
         self._flush_at = FLUSH_FIRST  # records that make a frame go out
+        self.flush_first, self.flush_records = FLUSH_FIRST, FLUSH_RECORDS
         self._ids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._seq = 0  # records sent so far
@@ -171,6 +172,33 @@ class Session:
         self.issue(op, 0, a._id, args)
         return a
 
+    def issue_results(
+        self,
+        op: int,
+        args: tuple[Any, ...],
+        results: tuple[tuple[tuple[int, ...], Any] | None, ...],
+    ) -> list[RemoteArray | None]:
+        """Queue a record that makes several new arrays (``_wire.OUTPUTS``), one per
+        ``(shape, dtype)`` of ``results``, on consecutive ids; return their handles (None
+        for a None entry: a result the server does not make)."""
+        ids, n = self._ids, len(results)
+        first, k = next(ids), 1
+        while k < n:  # consecutive even if another thread takes ids meanwhile
+            i = next(ids)
+            first, k = (first, k + 1) if i == first + k else (i, 1)
+        out: list[RemoteArray | None] = []
+        for k, res in enumerate(results):
+            if res is None:
+                out.append(None)
+                continue
+            shape, dtype = res
+            a = object.__new__(RemoteArray)
+            a._sess, a._id, a.shape, a.dtype, a.ndim = self, first + k, shape, dtype, len(shape)
+            a.base, a._contig = None, True
+            out.append(a)
+        self.issue(op, 0, first, args)
+        return out
+
     def _append(self, parts: list[bytes], site: tuple[Any, int] | None) -> None:
         if self._dead is not None:
             raise RemoteConnectionError(str(self._dead))
@@ -197,7 +225,7 @@ class Session:
             return
         payload = RECORDS_HEAD.pack(RECORDS, self._waits, self._nbuf) + b"".join(self._parts)
         self._waits = 0
-        self._flush_at = FLUSH_RECORDS
+        self._flush_at = self.flush_records
         self._seq += self._nbuf
         self._parts.clear()
         self._nbuf = 0
@@ -247,7 +275,7 @@ class Session:
 
     def _round_trip(self, req: int) -> Reader:
         self._flush()
-        self._flush_at = FLUSH_FIRST
+        self._flush_at = self.flush_first
         self.round_trips += 1
         framed = self._framed
         assert framed is not None

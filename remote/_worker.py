@@ -27,6 +27,7 @@ from ._wire import (
     I64,
     OP_CODES,
     OPS,
+    OUTPUTS,
     READ,
     RECORD_HEAD,
     RECORDS,
@@ -202,7 +203,7 @@ class Worker:
             if op == ADAM:
                 self._adam(seq, args, bad, r, rec)
             elif bad is not None:
-                self._fail_input(seq, op, [oid], bad)
+                self._fail_input(seq, op, _results(op, oid), bad)
             else:
                 self._op(seq, op, flags, oid, args)
         if n != count:
@@ -219,10 +220,12 @@ class Worker:
                 return
             result = fn(args, None)
             if type(result) is not np.ndarray and not isinstance(result, self._array_type):
-                if isinstance(result, np.generic) or np.isscalar(result):
-                    result = self.xp.asarray(result)
-                else:
-                    raise TypeError(f"op {OPS[op]!r} produced a {type(result).__name__}")
+                if type(result) is tuple and len(result) == OUTPUTS[op] > 1:
+                    for k, x in enumerate(result):
+                        if x is not None:  # a result not asked for (LINEAR_GRAD's)
+                            self._store(oid + k, self._as_array(op, x))
+                    return
+                result = self._as_array(op, result)
             if result.base is None and oid not in self.table:  # _store's common case
                 key = id(result)
                 if key not in self._buffers:
@@ -236,9 +239,18 @@ class Worker:
                     return
             self._store(oid, result)
         except _PoisonedError as p:
-            self._poison(oid, p.poison)
-        except Exception as exc:  # any failure of the op: poison its result, report later
-            self._fail(seq, op, [oid], f"{type(exc).__name__}: {exc}")
+            for i in _results(op, oid):
+                self._poison(i, p.poison)
+        except Exception as exc:  # any failure of the op: poison its results, report later
+            self._fail(seq, op, _results(op, oid), f"{type(exc).__name__}: {exc}")
+
+    def _as_array(self, op: int, x: Any) -> Any:
+        """An op's result as an array of this device (a NumPy scalar becomes a 0-d one)."""
+        if type(x) is np.ndarray or isinstance(x, self._array_type):
+            return x
+        if isinstance(x, np.generic) or np.isscalar(x):
+            return self.xp.asarray(x)
+        raise TypeError(f"op {OPS[op]!r} produced a {type(x).__name__}")
 
     def _session_record(self, op: int, oid: int, raw: tuple[Any, ...]) -> None:
         """DROP (``oid``, or the ids of its one IDS value), READ and SYNC."""
@@ -359,6 +371,12 @@ class Worker:
                 f"the session's memory limit: {nbytes} bytes more on top of the {self.bytes} "
                 f"held would exceed max_session_bytes={self.limit}"
             )
+
+
+def _results(op: int, oid: int) -> list[int]:
+    """The ids op ``op`` of a record with ``out`` = ``oid`` makes (``_wire.OUTPUTS``)."""
+    n = OUTPUTS[op]
+    return [oid] if n == 1 else list(range(oid, oid + n))
 
 
 def _missing(i: int) -> str:

@@ -209,7 +209,7 @@ def cross_entropy(
         flat = logits.transpose((0, *range(2, logits.ndim), 1)).reshape(-1, c)
     loss = _nn.CrossEntropy.apply(
         flat,
-        t.reshape(-1),
+        t if t.ndim == 1 else t.reshape(-1),  # (a remote reshape is a record of its own)
         reduction=reduction,
         ignore_index=ignore_index,
         label_smoothing=float(label_smoothing),
