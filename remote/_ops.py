@@ -181,7 +181,7 @@ def _adam(array_type: type) -> Handler:
         for k, xs in enumerate(arrays):
             if type(xs) is not tuple or len(xs) != (n if k < 4 or xs else 0):
                 raise TypeError(f"adam: {n} arrays expected for each of data, grad, m, v")
-            if not all(isinstance(x, array_type) for x in xs):
+            if not all(issubclass(t, array_type) for t in set(map(type, xs))):
                 raise TypeError("adam: a parameter's data, grad and moments must be arrays")
         data, grad, m, v, vmax = arrays
         lr, b1, b2, eps, wd = hyper

@@ -10,6 +10,7 @@ costs nothing more) against ``max_session_bytes``.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from typing import Any
@@ -34,6 +35,7 @@ from ._wire import (
     RECORDS_HEAD,
     SYNC,
     T_FLOAT,
+    T_IDS,
     T_INT,
     T_REF,
     T_TRUE,
@@ -159,6 +161,9 @@ class Worker:
             if op >= nops:
                 raise ProtocolError(f"unknown op code {op}")
             if op <= SYNC:  # DROP, READ, SYNC: their REFs are ids, not operands
+                if op == DROP and nargs == 1 and pos + 5 <= end and buf[pos] == T_IDS:
+                    pos = self._drop_ids(buf, pos, end)  # a frame's frees: the common DROP
+                    continue
                 raw: list[Any] = []
                 r.pos = pos
                 for _ in range(nargs):
@@ -190,6 +195,20 @@ class Worker:
                 elif tag <= T_TRUE:
                     args.append(_SMALL[tag])
                     pos += 1
+                elif tag == T_IDS and pos + 5 <= end:  # packed REFs (ADAM's), resolved here
+                    k = u32(buf, pos + 1)[0]
+                    stop = pos + 5 + 4 * k
+                    if stop > end:
+                        raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
+                    ids = struct.unpack_from(f"<{k}I", buf, pos + 5)
+                    xs = tuple(map(table.get, ids))
+                    if bad is None:
+                        for i, x in zip(ids, xs, strict=True):
+                            if x is None or type(x) is Poison:
+                                bad = _missing(i) if x is None else x
+                                break
+                    args.append(xs)
+                    pos = stop
                 else:
                     r.pos = pos
                     v = r.value()
@@ -261,6 +280,26 @@ class Worker:
                 self._free(i)
         else:
             self._reply(op, oid, raw)
+
+    def _drop_ids(self, buf: memoryview, pos: int, end: int) -> int:
+        """Free the ids of the DROP record's IDS value at ``pos``; the offset after it
+        (``_free``, inlined: a step frees dozens)."""
+        k = U32.unpack_from(buf, pos + 1)[0]
+        stop = pos + 5 + 4 * k
+        if stop > end:
+            raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
+        self._seq += 1
+        table, owner, buffers = self.table, self._owner, self._buffers
+        for i in struct.unpack_from(f"<{k}I", buf, pos + 5):
+            table.pop(i, None)
+            key = owner.pop(i, None)
+            if key is not None:
+                entry = buffers[key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del buffers[key]
+                    self.bytes -= entry[1]
+        return stop
 
     def _adam(self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int) -> None:
         """ADAM writes many arrays in place: a failure poisons every one it writes."""
