@@ -169,6 +169,6 @@ def cross_entropy_grad(
         red = LOSS_REDUCTIONS.index(reduction)
         args = (probs, target, g, ignore_index, smoothing, red)
         return sess.issue_new(_CROSS_ENTROPY_GRAD, args, probs.shape, probs.dtype)
-    valid, safe_t = cross_entropy_targets(target, ignore_index)
+    valid, safe_t = cross_entropy_targets(probs._sess.xp, target, ignore_index)
     count = valid.sum() if reduction == "mean" else None
     return _ce_grad(probs.copy(), safe_t, valid, count, g, smoothing)

@@ -75,14 +75,15 @@ def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Han
     set_("clip", lambda a, out: xp.clip(a[0], a[1], a[2], out=out))
     set_("add_at", lambda a, out: _add_at(xp, out, a[0], a[1]))
     set_("adam", _adam(xp.ndarray))
-    _fused_nn(set_, xp.ndarray)
+    _fused_nn(set_, xp)
     return table
 
 
-def _fused_nn(set_: Callable[[str, Handler], None], array_type: type) -> None:
+def _fused_nn(set_: Callable[[str, Handler], None], xp: Any) -> None:
     """LINEAR, LINEAR_GRAD, CROSS_ENTROPY and CROSS_ENTROPY_GRAD: the functions tensorlib's
     Linear and CrossEntropy run, on the same arrays (the same bits). Wrong kinds of values
     raise here, so the record's results are poisoned, as any op's that fails."""
+    array_type = xp.ndarray
 
     def arrays(name: str, *xs: Any) -> None:
         if not all(isinstance(x, array_type) for x in xs):
@@ -118,7 +119,7 @@ def _fused_nn(set_: Callable[[str, Handler], None], array_type: type) -> None:
         probs, target, g, ignore, smoothing, reduction = a
         arrays("cross_entropy_grad", probs, target, g)
         red = numbers("cross_entropy_grad", ignore, smoothing, reduction)
-        valid, safe_t = cross_entropy_targets(target, ignore)
+        valid, safe_t = cross_entropy_targets(xp, target, ignore)
         count = valid.sum() if red == "mean" else None
         return cross_entropy_grad(probs.copy(), safe_t, valid, count, g, smoothing)
 

@@ -149,21 +149,18 @@ class Linear(Function):
 
     def backward(self, g: Any) -> Any:
         x, w, inputs = self.x, self.w, self.inputs
-        need = (
-            inputs[0] is not None,
-            inputs[1] is not None,
-            len(inputs) > 2 and inputs[2] is not None,
-        )
+        need_x, need_w = inputs[0] is not None, inputs[1] is not None
+        bias = inputs[2] if len(inputs) > 2 else None
         # Straight into the parameters' grad buffers when they have them (DDP's buckets).
-        gw_out = take_grad_buffer(inputs[1]) if need[1] and g.dtype == x.dtype == w.dtype else None
-        bias = inputs[2] if need[2] else None
+        gw_out = take_grad_buffer(inputs[1]) if need_w and g.dtype == x.dtype == w.dtype else None
         gb_out = (
             take_grad_buffer(bias) if bias is not None and g.dtype == bias._data.dtype else None
         )
         if type(g) is not np.ndarray and gw_out is None and gb_out is None:
             fused = fused_op(g, "linear_grad")  # a kind may run it as one op (None: it does not)
             if fused is not None:
-                grads = fused(g, x, w, *need)
+                grads = fused(g, x, w, need_x, need_w, bias is not None)
                 if grads is not None:
                     return grads[: len(inputs)]
-        return linear_backward(g, x, w, *need, gw_out, gb_out)[: len(inputs)]
+        grads = linear_backward(g, x, w, need_x, need_w, bias is not None, gw_out, gb_out)
+        return grads[: len(inputs)]

@@ -55,10 +55,10 @@ class Softmax(Function):
         return out * (g - (g * out).sum(axis=self.axis, keepdims=True))
 
 
-def cross_entropy_targets(target: Any, ignore_index: int) -> tuple[Any, Any]:
+def cross_entropy_targets(xp: Any, target: Any, ignore_index: int) -> tuple[Any, Any]:
     """``(valid, safe_t)``: which rows count, and the targets with ignored ones set to 0."""
     valid = target != ignore_index
-    return valid, xp_of(valid).where(valid, target, 0)
+    return valid, xp.where(valid, target, 0)
 
 
 def cross_entropy_forward(
@@ -72,7 +72,7 @@ def cross_entropy_forward(
     """
     xp = xp_of(logits)
     n, c = logits.shape
-    valid, safe_t = cross_entropy_targets(target, ignore_index)
+    valid, safe_t = cross_entropy_targets(xp, target, ignore_index)
     shifted = logits - logits.max(axis=1, keepdims=True)
     e = xp.exp(shifted)
     sum_e = e.sum(axis=1, keepdims=True)
