@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tensorlib._ops_nn import cross_entropy_grad as _ce_grad
-from tensorlib._ops_nn import cross_entropy_targets
+from tensorlib.functional import cross_entropy_grad as _ce_grad
+from tensorlib.functional import cross_entropy_targets
 from tensorlib.optim import adam_update
 
 from ._array import RemoteArray

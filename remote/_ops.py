@@ -12,8 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from tensorlib._ops_linalg import linear_backward, linear_forward
-from tensorlib._ops_nn import cross_entropy_forward, cross_entropy_grad, cross_entropy_targets
+from tensorlib.functional import (
+    cross_entropy_forward,
+    cross_entropy_grad,
+    cross_entropy_targets,
+    linear_backward,
+    linear_forward,
+)
 from tensorlib.optim import adam_update
 
 from ._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref

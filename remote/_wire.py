@@ -57,7 +57,7 @@ the very function a local step runs.
 An op makes one result, ``out``, except those :data:`OUTPUTS` says make ``n``: ids ``out``
 to ``out + n - 1`` (the client takes consecutive ids for them; a failure poisons them all).
 The other fused ops run the functions tensorlib's own ops run, on the same arrays: LINEAR
-(``x, w, b or NONE``: ``tensorlib._ops_linalg.linear_forward``), LINEAR_GRAD (``g, x, w``
+(``x, w, b or NONE``: ``tensorlib.functional.linear_forward``), LINEAR_GRAD (``g, x, w``
 and three booleans: which of ``gx, gw, gb`` to make, as three results; one not made is not
 stored), CROSS_ENTROPY (``logits,
 target, INT reduction`` (0 none, 1 sum, 2 mean) ``, INT ignore_index, FLOAT smoothing``;
