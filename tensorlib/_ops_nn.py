@@ -122,9 +122,7 @@ class CrossEntropy(Function):
     runs :func:`cross_entropy_forward` and :func:`cross_entropy_grad` as they are here.
     """
 
-    __slots__ = (
-        "count", "e", "fused", "ignore", "reduction", "smoothing", "sum_e", "target", "valid",
-    )  # fmt: skip
+    __slots__ = ("count", "e", "fused", "smoothing", "sum_e", "target", "valid")
     autocast = "float32"
 
     def forward(
@@ -141,9 +139,12 @@ class CrossEntropy(Function):
             if fused is not None:
                 r = fused(logits, target, reduction, ignore_index, label_smoothing)
                 if r is not None:
-                    # fused's backward takes the probabilities and the raw targets
-                    loss, self.e, self.fused = r
-                    self.target, self.ignore, self.reduction = target, ignore_index, reduction
+                    # fused's backward takes the probabilities and the raw targets; every
+                    # slot is set (release() would pay an exception for each unset one)
+                    loss, self.e, backward = r
+                    self.fused = (backward, ignore_index, reduction)
+                    self.target, self.sum_e = target, None
+                    self.valid = self.count = None
                     return loss
         self.fused = None
         loss, self.e, self.sum_e, self.target, self.valid, self.count = cross_entropy_forward(
@@ -153,8 +154,9 @@ class CrossEntropy(Function):
 
     def backward(self, g: Any) -> Any:
         if self.fused is not None:
-            fused = self.fused
-            return fused(self.e, self.target, g, self.ignore, self.smoothing, self.reduction), None
+            backward, ignore_index, reduction = self.fused
+            grad = backward(self.e, self.target, g, ignore_index, self.smoothing, reduction)
+            return grad, None
         grad = cross_entropy_grad(
             self.e / self.sum_e, self.target, self.valid, self.count, g, self.smoothing
         )
