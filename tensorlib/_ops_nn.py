@@ -124,6 +124,7 @@ class CrossEntropy(Function):
 
     __slots__ = ("count", "e", "fused", "smoothing", "sum_e", "target", "valid")
     autocast = "float32"
+    fused: tuple[Any, int, str] | None  # a kind's backward, ignore_index, reduction
 
     def forward(
         self,
