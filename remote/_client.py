@@ -253,7 +253,14 @@ class RemoteKind:
     """The ``remote`` device kind registered with tensorlib."""
 
     type = "remote"
-    fused_ops = MappingProxyType({"adam": _fused.adam})
+    fused_ops = MappingProxyType(
+        {
+            "adam": _fused.adam,
+            "linear": _fused.linear,
+            "linear_grad": _fused.linear_grad,
+            "cross_entropy": _fused.cross_entropy,
+        }
+    )
 
     def parse(self, spec: str) -> tuple[str, int]:
         m = re.fullmatch(r"remote://(.+):(\d+)/(\d+)", spec)

@@ -12,9 +12,16 @@ from typing import Any
 
 import numpy as np
 
+from tensorlib.functional import (
+    cross_entropy_forward,
+    cross_entropy_grad,
+    cross_entropy_targets,
+    linear_backward,
+    linear_forward,
+)
 from tensorlib.optim import adam_update
 
-from ._wire import BINARY_UFUNCS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
+from ._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
 
 __all__ = ["Handler", "adam_writes", "handlers"]
 
@@ -73,7 +80,58 @@ def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Han
     set_("clip", lambda a, out: xp.clip(a[0], a[1], a[2], out=out))
     set_("add_at", lambda a, out: _add_at(xp, out, a[0], a[1]))
     set_("adam", _adam(xp.ndarray))
+    _fused_nn(set_, xp)
     return table
+
+
+def _fused_nn(set_: Callable[[str, Handler], None], xp: Any) -> None:
+    """LINEAR, LINEAR_GRAD, CROSS_ENTROPY and CROSS_ENTROPY_GRAD: the functions tensorlib's
+    Linear and CrossEntropy run, on the same arrays (the same bits). Wrong kinds of values
+    raise here, so the record's results are poisoned, as any op's that fails."""
+    array_type = xp.ndarray
+
+    def arrays(name: str, *xs: Any) -> None:
+        if not all(isinstance(x, array_type) for x in xs):
+            raise TypeError(f"{name}: the operands must be arrays")
+
+    def numbers(name: str, ignore: Any, smoothing: Any, reduction: Any) -> str:
+        if type(ignore) is not int or type(smoothing) not in (int, float):
+            raise TypeError(f"{name}: ignore_index must be an int and smoothing a number")
+        if type(reduction) is not int or not 0 <= reduction < len(LOSS_REDUCTIONS):
+            raise ValueError(f"{name}: reduction code {reduction!r} is not 0, 1 or 2")
+        return LOSS_REDUCTIONS[reduction]
+
+    def linear(a: Sequence[Any], out: Any) -> Any:
+        x, w, b = a
+        arrays("linear", x, w, *(() if b is None else (b,)))
+        return linear_forward(x, w, b)
+
+    def linear_grad(a: Sequence[Any], out: Any) -> Any:
+        g, x, w, need_x, need_w, need_b = a
+        arrays("linear_grad", g, x, w)
+        if not all(type(v) is bool for v in (need_x, need_w, need_b)):
+            raise TypeError("linear_grad: which gradients to make must be booleans")
+        return linear_backward(g, x, w, need_x, need_w, need_b)
+
+    def cross_entropy(a: Sequence[Any], out: Any) -> Any:
+        logits, target, reduction, ignore, smoothing = a
+        arrays("cross_entropy", logits, target)
+        red = numbers("cross_entropy", ignore, smoothing, reduction)
+        loss, e, sum_e, *_ = cross_entropy_forward(logits, target, red, ignore, smoothing)
+        return loss, e / sum_e  # the local backward's first step, made here once
+
+    def cross_entropy_grad_(a: Sequence[Any], out: Any) -> Any:
+        probs, target, g, ignore, smoothing, reduction = a
+        arrays("cross_entropy_grad", probs, target, g)
+        red = numbers("cross_entropy_grad", ignore, smoothing, reduction)
+        valid, safe_t = cross_entropy_targets(xp, target, ignore)
+        count = valid.sum() if red == "mean" else None
+        return cross_entropy_grad(probs.copy(), safe_t, valid, count, g, smoothing)
+
+    set_("linear", linear)
+    set_("linear_grad", linear_grad)
+    set_("cross_entropy", cross_entropy)
+    set_("cross_entropy_grad", cross_entropy_grad_)
 
 
 def _binary(f: Any) -> Handler:
@@ -129,7 +187,7 @@ def _adam(array_type: type) -> Handler:
         for k, xs in enumerate(arrays):
             if type(xs) is not tuple or len(xs) != (n if k < 4 or xs else 0):
                 raise TypeError(f"adam: {n} arrays expected for each of data, grad, m, v")
-            if not all(isinstance(x, array_type) for x in xs):
+            if not all(issubclass(t, array_type) for t in set(map(type, xs))):
                 raise TypeError("adam: a parameter's data, grad and moments must be arrays")
         data, grad, m, v, vmax = arrays
         lr, b1, b2, eps, wd = hyper

@@ -56,6 +56,16 @@ exp_avgs, exp_avg_sqs, of their max_exp_avg_sqs (empty without amsgrad), and a T
 ``n`` INT steps; the server runs ``tensorlib.optim.adam_update`` on each parameter in order,
 the very function a local step runs.
 
+An op makes one result, ``out``, except those :data:`OUTPUTS` says make ``n``: ids ``out``
+to ``out + n - 1`` (the client takes consecutive ids for them; a failure poisons them all).
+The other fused ops run the functions tensorlib's own ops run, on the same arrays: LINEAR
+(``x, w, b or NONE``: ``tensorlib.functional.linear_forward``), LINEAR_GRAD (``g, x, w``
+and three booleans: which of ``gx, gw, gb`` to make, as three results; one not made is not
+stored), CROSS_ENTROPY (``logits,
+target, INT reduction`` (0 none, 1 sum, 2 mean) ``, INT ignore_index, FLOAT smoothing``;
+two results, the loss and the probabilities ``e / sum_e``), CROSS_ENTROPY_GRAD (``probs,
+target, g, INT ignore_index, FLOAT smoothing, INT reduction``: the logits' gradient).
+
 Values: a u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id),
 TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), IDS (u32 n + n
 u32 ids: a tuple of REFs, packed), ARRAY (u8 dtype, u8 ndim, ndim x u64 dims, the C-order
@@ -75,7 +85,7 @@ import numpy as np
 
 from collectives.framing import Seal
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"DPTR"
 NONCE_BYTES = 32
 MAX_HELLO_FRAME = 256
@@ -116,8 +126,8 @@ OPS: tuple[str, ...] = (
     # movement and the rest
     "reshape", "transpose", "broadcast_to", "expand_dims", "squeeze", "swapaxes", "getitem",
     "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
-    # fused updates (one record for what tensorlib would issue as many ops)
-    "adam",
+    # fused ops (one record for what tensorlib would issue as many ops)
+    "adam", "linear", "linear_grad", "cross_entropy", "cross_entropy_grad",
     # collectives among sessions of one server (remote._collective)
     "collective",
 )  # fmt: skip
@@ -127,6 +137,12 @@ UNARY_UFUNCS = OPS[OP_CODES["negative"] : OP_CODES["reciprocal"] + 1]
 REDUCTIONS = OPS[OP_CODES["sum"] : OP_CODES["prod"] + 1]
 DROP, READ, SYNC, UPLOAD = 0, 1, 2, 3
 ADAM = OP_CODES["adam"]
+# A loss's reduction, as CROSS_ENTROPY's INT code indexes it.
+LOSS_REDUCTIONS = ("none", "sum", "mean")
+# Results an op makes, by op code: ids ``out`` .. ``out + n - 1`` (1 for all but these).
+OUTPUTS: tuple[int, ...] = tuple(
+    {"linear_grad": 3, "cross_entropy": 2}.get(name, 1) for name in OPS
+)
 
 DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(n)

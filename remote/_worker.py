@@ -10,6 +10,7 @@ costs nothing more) against ``max_session_bytes``.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from typing import Any
@@ -27,12 +28,14 @@ from ._wire import (
     I64,
     OP_CODES,
     OPS,
+    OUTPUTS,
     READ,
     RECORD_HEAD,
     RECORDS,
     RECORDS_HEAD,
     SYNC,
     T_FLOAT,
+    T_IDS,
     T_INT,
     T_REF,
     T_TRUE,
@@ -158,6 +161,9 @@ class Worker:
             if op >= nops:
                 raise ProtocolError(f"unknown op code {op}")
             if op <= SYNC:  # DROP, READ, SYNC: their REFs are ids, not operands
+                if op == DROP and nargs == 1 and pos + 5 <= end and buf[pos] == T_IDS:
+                    pos = self._drop_ids(buf, pos, end)  # a frame's frees: the common DROP
+                    continue
                 raw: list[Any] = []
                 r.pos = pos
                 for _ in range(nargs):
@@ -189,6 +195,20 @@ class Worker:
                 elif tag <= T_TRUE:
                     args.append(_SMALL[tag])
                     pos += 1
+                elif tag == T_IDS and pos + 5 <= end:  # packed REFs (ADAM's), resolved here
+                    k = u32(buf, pos + 1)[0]
+                    stop = pos + 5 + 4 * k
+                    if stop > end:
+                        raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
+                    ids = struct.unpack_from(f"<{k}I", buf, pos + 5)
+                    xs = tuple(map(table.get, ids))
+                    if bad is None:
+                        for i, x in zip(ids, xs, strict=True):
+                            if x is None or type(x) is Poison:
+                                bad = _missing(i) if x is None else x
+                                break
+                    args.append(xs)
+                    pos = stop
                 else:
                     r.pos = pos
                     v = r.value()
@@ -202,7 +222,7 @@ class Worker:
             if op == ADAM:
                 self._adam(seq, args, bad, r, rec)
             elif bad is not None:
-                self._fail_input(seq, op, [oid], bad)
+                self._fail_input(seq, op, _results(op, oid), bad)
             else:
                 self._op(seq, op, flags, oid, args)
         if n != count:
@@ -219,10 +239,12 @@ class Worker:
                 return
             result = fn(args, None)
             if type(result) is not np.ndarray and not isinstance(result, self._array_type):
-                if isinstance(result, np.generic) or np.isscalar(result):
-                    result = self.xp.asarray(result)
-                else:
-                    raise TypeError(f"op {OPS[op]!r} produced a {type(result).__name__}")
+                if type(result) is tuple and len(result) == OUTPUTS[op] > 1:
+                    for k, x in enumerate(result):
+                        if x is not None:  # a result not asked for (LINEAR_GRAD's)
+                            self._store(oid + k, self._as_array(op, x))
+                    return
+                result = self._as_array(op, result)
             if result.base is None and oid not in self.table:  # _store's common case
                 key = id(result)
                 if key not in self._buffers:
@@ -236,9 +258,18 @@ class Worker:
                     return
             self._store(oid, result)
         except _PoisonedError as p:
-            self._poison(oid, p.poison)
-        except Exception as exc:  # any failure of the op: poison its result, report later
-            self._fail(seq, op, [oid], f"{type(exc).__name__}: {exc}")
+            for i in _results(op, oid):
+                self._poison(i, p.poison)
+        except Exception as exc:  # any failure of the op: poison its results, report later
+            self._fail(seq, op, _results(op, oid), f"{type(exc).__name__}: {exc}")
+
+    def _as_array(self, op: int, x: Any) -> Any:
+        """An op's result as an array of this device (a NumPy scalar becomes a 0-d one)."""
+        if type(x) is np.ndarray or isinstance(x, self._array_type):
+            return x
+        if isinstance(x, np.generic) or np.isscalar(x):
+            return self.xp.asarray(x)
+        raise TypeError(f"op {OPS[op]!r} produced a {type(x).__name__}")
 
     def _session_record(self, op: int, oid: int, raw: tuple[Any, ...]) -> None:
         """DROP (``oid``, or the ids of its one IDS value), READ and SYNC."""
@@ -249,6 +280,26 @@ class Worker:
                 self._free(i)
         else:
             self._reply(op, oid, raw)
+
+    def _drop_ids(self, buf: memoryview, pos: int, end: int) -> int:
+        """Free the ids of the DROP record's IDS value at ``pos``; the offset after it
+        (``_free``, inlined: a step frees dozens)."""
+        k = U32.unpack_from(buf, pos + 1)[0]
+        stop = pos + 5 + 4 * k
+        if stop > end:
+            raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
+        self._seq += 1
+        table, owner, buffers = self.table, self._owner, self._buffers
+        for i in struct.unpack_from(f"<{k}I", buf, pos + 5):
+            table.pop(i, None)
+            key = owner.pop(i, None)
+            if key is not None:
+                entry = buffers[key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del buffers[key]
+                    self.bytes -= entry[1]
+        return stop
 
     def _adam(self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int) -> None:
         """ADAM writes many arrays in place: a failure poisons every one it writes."""
@@ -359,6 +410,12 @@ class Worker:
                 f"the session's memory limit: {nbytes} bytes more on top of the {self.bytes} "
                 f"held would exceed max_session_bytes={self.limit}"
             )
+
+
+def _results(op: int, oid: int) -> list[int]:
+    """The ids op ``op`` of a record with ``out`` = ``oid`` makes (``_wire.OUTPUTS``)."""
+    n = OUTPUTS[op]
+    return [oid] if n == 1 else list(range(oid, oid + n))
 
 
 def _missing(i: int) -> str:

@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 
 from ._autograd import Function, take_grad_buffer
+from ._device_kinds import fused_op
 from ._ops_elementwise import xp_of
 
-__all__ = ["Linear", "Matmul"]
+__all__ = ["Linear", "Matmul", "linear_backward", "linear_forward"]
 
 _F16 = np.dtype(np.float16)
 
@@ -48,6 +49,30 @@ def _sum0(g: Any, out: Any = None) -> Any:
             np.copyto(out, r, casting="same_kind")
         return out
     return g.sum(axis=0) if out is None else g.sum(axis=0, out=out)
+
+
+def linear_forward(x: Any, w: Any, b: Any = None) -> Any:
+    """``x @ w.T + b`` on arrays, as :class:`Linear` computes it (and a device kind that
+    fuses ``"linear"`` runs it: the same bits)."""
+    return _mm(x, w.T, bias=b)
+
+
+def linear_backward(
+    g: Any, x: Any, w: Any, need_x: bool, need_w: bool, need_b: bool,
+    gw_out: Any = None, gb_out: Any = None,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """``(gx, gw, gb)`` of ``x @ w.T + b`` for the output's gradient ``g`` (None where not
+    needed), ``gw`` and ``gb`` written into ``gw_out`` and ``gb_out`` when given (and then
+    those arrays); what :class:`Linear` computes, and a kind that fuses it runs."""
+    g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
+    gx = _mm(g, w) if need_x else None
+    gw = gb = None
+    if need_w:
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+        gw = _mm(g2.T, x2, gw_out)
+    if need_b:
+        gb = _sum0(g2, gb_out)
+    return gx, gw, gb
 
 
 class Matmul(Function):
@@ -114,21 +139,28 @@ class Linear(Function):
         if b is not None and tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
         self.x, self.w = x, w
+        if type(x) is not np.ndarray:  # a kind may run it as one op (None: it does not)
+            fused = fused_op(x, "linear")
+            if fused is not None:
+                out = fused(x, w, b)
+                if out is not None:
+                    return out
         return _mm(x, w.T, bias=b)
 
     def backward(self, g: Any) -> Any:
-        x, w = self.x, self.w
-        g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
-        gx = gw = gb = None
-        if self.inputs[0] is not None:
-            gx = _mm(g, w)
-        if self.inputs[1] is not None:
-            x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
-            # Straight into the weight's grad buffer when it has one (DDP's bucket).
-            out = take_grad_buffer(self.inputs[1]) if g2.dtype == x2.dtype == w.dtype else None
-            gw = _mm(g2.T, x2, out)
-        if len(self.inputs) > 2 and self.inputs[2] is not None:
-            bias = self.inputs[2]
-            out = take_grad_buffer(bias) if g2.dtype == bias._data.dtype else None
-            gb = _sum0(g2, out)
-        return (gx, gw, gb)[: len(self.inputs)]
+        x, w, inputs = self.x, self.w, self.inputs
+        need_x, need_w = inputs[0] is not None, inputs[1] is not None
+        bias = inputs[2] if len(inputs) > 2 else None
+        # Straight into the parameters' grad buffers when they have them (DDP's buckets).
+        gw_out = take_grad_buffer(inputs[1]) if need_w and g.dtype == x.dtype == w.dtype else None
+        gb_out = (
+            take_grad_buffer(bias) if bias is not None and g.dtype == bias._data.dtype else None
+        )
+        if type(g) is not np.ndarray and gw_out is None and gb_out is None:
+            fused = fused_op(g, "linear_grad")  # a kind may run it as one op (None: it does not)
+            if fused is not None:
+                grads = fused(g, x, w, need_x, need_w, bias is not None)
+                if grads is not None:
+                    return grads[: len(inputs)]
+        grads = linear_backward(g, x, w, need_x, need_w, bias is not None, gw_out, gb_out)
+        return grads[: len(inputs)]

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ._autograd import Function
+from ._device_kinds import fused_op
 from ._ops_elementwise import xp_of
 from ._ops_movement import Getitem
 
-__all__ = ["CrossEntropy", "Embedding", "LayerNormFn", "LogSoftmax", "Softmax"]
+__all__ = [
+    "CrossEntropy",
+    "Embedding",
+    "LayerNormFn",
+    "LogSoftmax",
+    "Softmax",
+    "cross_entropy_forward",
+    "cross_entropy_grad",
+    "cross_entropy_targets",
+]
 
 
 class LogSoftmax(Function):
@@ -43,6 +55,61 @@ class Softmax(Function):
         return out * (g - (g * out).sum(axis=self.axis, keepdims=True))
 
 
+def cross_entropy_targets(xp: Any, target: Any, ignore_index: int) -> tuple[Any, Any]:
+    """``(valid, safe_t)``: which rows count, and the targets with ignored ones set to 0."""
+    valid = target != ignore_index
+    return valid, xp.where(valid, target, 0)
+
+
+def cross_entropy_forward(
+    logits: Any, target: Any, reduction: str, ignore_index: int, label_smoothing: float
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The cross-entropy of (N, C) ``logits`` against (N,) class indices, on arrays.
+
+    Returns ``(loss, e, sum_e, safe_t, valid, count)``: what :class:`CrossEntropy` computes
+    and keeps for :func:`cross_entropy_grad` (``count`` is None unless reduction is "mean").
+    A device kind that fuses cross-entropy runs this very function (same bits).
+    """
+    xp = xp_of(logits)
+    n, c = logits.shape
+    valid, safe_t = cross_entropy_targets(xp, target, ignore_index)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    e = xp.exp(shifted)
+    sum_e = e.sum(axis=1, keepdims=True)
+    picked = shifted[xp.arange(n), safe_t]
+    if label_smoothing:
+        # The shift cancels: the target weights sum to 1.
+        s = label_smoothing
+        picked = (1 - s) * picked + (s / c) * shifted.sum(axis=1)
+    loss = xp.where(valid, xp.log(sum_e[:, 0]) - picked, 0)
+    if reduction == "none":
+        return loss, e, sum_e, safe_t, valid, None
+    if reduction == "sum":
+        return loss.sum(), e, sum_e, safe_t, valid, None
+    count = valid.sum()
+    # All-ignored batches give 0/0 = nan, as in PyTorch.
+    return loss.sum() / count.astype(logits.dtype), e, sum_e, safe_t, valid, count
+
+
+def cross_entropy_grad(
+    probs: Any, safe_t: Any, valid: Any, count: Any, g: Any, label_smoothing: float
+) -> Any:
+    """The logits' gradient from ``probs`` = ``e / sum_e`` (a fresh array: it is written in
+    place and returned), given the loss's gradient ``g``."""
+    xp = xp_of(g)
+    grad = probs
+    n, c = grad.shape
+    s = label_smoothing
+    grad[xp.arange(n), safe_t] -= 1 - s
+    if s:
+        grad -= s / c
+    scale = xp.where(valid, g, 0)[:, None]
+    if count is not None:  # reduction="mean"
+        scale = scale / count.astype(grad.dtype)
+    grad *= scale.astype(grad.dtype, copy=False)
+    return grad
+
+
 class CrossEntropy(Function):
     """Mean/sum/none of the cross-entropy of (N, C) logits against (N,) class indices.
 
@@ -50,10 +117,14 @@ class CrossEntropy(Function):
     (torch's): the loss of a row is ``lse - (1 - s) * x[t] - (s / C) * sum(x)``, and its
     gradient ``softmax(x) - q``. Ignored rows give neither loss nor gradient, and "mean"
     divides by the number of rows not ignored (0/0 = nan when all are, as in torch).
+
+    A device kind with a fused ``"cross_entropy"`` (a remote device: one record each way)
+    runs :func:`cross_entropy_forward` and :func:`cross_entropy_grad` as they are here.
     """
 
-    __slots__ = ("count", "e", "reduction", "smoothing", "sum_e", "target", "valid")
+    __slots__ = ("count", "e", "fused", "smoothing", "sum_e", "target", "valid")
     autocast = "float32"
+    fused: tuple[Any, int, str] | None  # a kind's backward, ignore_index, reduction
 
     def forward(
         self,
@@ -63,45 +134,33 @@ class CrossEntropy(Function):
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
     ) -> Any:
-        xp = xp_of(logits)
-        n, c = logits.shape
-        rows = xp.arange(n)
-        valid = target != ignore_index
-        safe_t = xp.where(valid, target, 0)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        e = xp.exp(shifted)
-        sum_e = e.sum(axis=1, keepdims=True)
-        picked = shifted[rows, safe_t]
-        if label_smoothing:
-            # The shift cancels: the target weights sum to 1.
-            s = label_smoothing
-            picked = (1 - s) * picked + (s / c) * shifted.sum(axis=1)
-        loss = xp.where(valid, xp.log(sum_e[:, 0]) - picked, 0)
-        self.e, self.sum_e, self.target, self.valid = e, sum_e, safe_t, valid
-        self.reduction, self.smoothing = reduction, label_smoothing
-        if reduction == "none":
-            self.count = None
-            return loss
-        if reduction == "sum":
-            self.count = None
-            return loss.sum()
-        count = valid.sum()
-        self.count = count
-        # All-ignored batches give 0/0 = nan, as in PyTorch.
-        return loss.sum() / count.astype(logits.dtype)
+        self.smoothing = label_smoothing
+        if type(logits) is not np.ndarray:  # a kind may run it as one op (None: it does not)
+            fused = fused_op(logits, "cross_entropy")
+            if fused is not None:
+                r = fused(logits, target, reduction, ignore_index, label_smoothing)
+                if r is not None:
+                    # fused's backward takes the probabilities and the raw targets; every
+                    # slot is set (release() would pay an exception for each unset one)
+                    loss, self.e, backward = r
+                    self.fused = (backward, ignore_index, reduction)
+                    self.target, self.sum_e = target, None
+                    self.valid = self.count = None
+                    return loss
+        self.fused = None
+        loss, self.e, self.sum_e, self.target, self.valid, self.count = cross_entropy_forward(
+            logits, target, reduction, ignore_index, label_smoothing
+        )
+        return loss
 
     def backward(self, g: Any) -> Any:
-        xp = xp_of(g)
-        grad = self.e / self.sum_e
-        n, c = grad.shape
-        s = self.smoothing
-        grad[xp.arange(n), self.target] -= 1 - s
-        if s:
-            grad -= s / c
-        scale = xp.where(self.valid, g, 0)[:, None]
-        if self.count is not None:  # reduction="mean"
-            scale = scale / self.count.astype(grad.dtype)
-        grad *= scale.astype(grad.dtype, copy=False)
+        if self.fused is not None:
+            backward, ignore_index, reduction = self.fused
+            grad = backward(self.e, self.target, g, ignore_index, self.smoothing, reduction)
+            return grad, None
+        grad = cross_entropy_grad(
+            self.e / self.sum_e, self.target, self.valid, self.count, g, self.smoothing
+        )
         return grad, None
 
 

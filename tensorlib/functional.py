@@ -12,17 +12,27 @@ from . import _autocast
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_nn as _nn
+from ._ops_linalg import linear_backward, linear_forward
+from ._ops_nn import cross_entropy_forward, cross_entropy_grad, cross_entropy_targets
 from ._random import Generator, default_generator
 from ._tensor import Tensor
 
+# linear_forward, linear_backward and cross_entropy_*: the array functions (NumPy or CuPy
+# arrays in and out, no autodiff) that Linear and cross_entropy run, public so that a device
+# kind fusing those ops (remote's server) runs the very same code and gets the same bits.
 __all__ = [
     "check_indices",
     "cross_entropy",
+    "cross_entropy_forward",
+    "cross_entropy_grad",
+    "cross_entropy_targets",
     "dropout",
     "embedding",
     "gelu",
     "layer_norm",
     "linear",
+    "linear_backward",
+    "linear_forward",
     "log_softmax",
     "mse_loss",
     "relu",
@@ -209,7 +219,7 @@ def cross_entropy(
         flat = logits.transpose((0, *range(2, logits.ndim), 1)).reshape(-1, c)
     loss = _nn.CrossEntropy.apply(
         flat,
-        t.reshape(-1),
+        t if t.ndim == 1 else t.reshape(-1),  # (a remote reshape is a record of its own)
         reduction=reduction,
         ignore_index=ignore_index,
         label_smoothing=float(label_smoothing),

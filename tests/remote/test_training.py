@@ -27,7 +27,8 @@ def test_digits_mlp_on_a_remote_cpu_matches_the_local_run_bitwise(
     # One round trip a step (loss.item()), plus one read per parameter at the end.
     steps, params = 50, len(local_params)
     assert after["round_trips"] - before["round_trips"] == steps + params
-    # The forward and backward ops, and the whole AdamW update as one fused record a step.
-    assert 50 * steps < after["ops"] - before["ops"] < 100 * steps
+    # The forward and backward ops (Linear and cross-entropy one fused record each way), and
+    # the whole AdamW update as one fused record a step.
+    assert 10 * steps < after["ops"] - before["ops"] < 30 * steps
     assert after["bytes_sent"] > before["bytes_sent"]
     remote.close(dev)
