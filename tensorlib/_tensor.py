@@ -210,7 +210,7 @@ class Tensor(TensorOps):
             raise ValueError(
                 f"item(): only tensors with one element can be converted, got shape {self.shape}"
             )
-        return self._data.reshape(()).item()
+        return self._data.item()  # any size-1 array has item(); a reshape is a remote record
 
     def tolist(self) -> Any:
         """Return the data as (nested) Python lists."""
