@@ -60,6 +60,7 @@ __all__ = ["CpuBackend"]
 
 _UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
+_NATIVE_KINDS = "iuf"  # what the group reduces; the helper has loops for most (_cpu_sync)
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -227,9 +228,16 @@ class CpuBackend(Backend):
     def _all_reduce_small(self, req: Request, flat: Any) -> None:
         par = self._slot_parity
         self._slot_parity = par ^ 1
-        own, sources = self._small_slots(par, flat.dtype, flat.size)
-        np.copyto(own, flat)
-        self.sync.begin(req)
+        sync = self.sync
+        if sync.native is not None and flat.dtype.kind in _NATIVE_KINDS:
+            # Copy in, post, wait, check and (most dtypes and ops) reduce: one compiled call.
+            if sync.begin_reduce(req, flat, par):
+                return
+            sources = self._small_slots(par, flat.dtype, flat.size)[1]
+        else:
+            own, sources = self._small_slots(par, flat.dtype, flat.size)
+            np.copyto(own, flat)
+            sync.begin(req)
         assert req.reduce_op is not None
         reduce_in_order(flat, sources, req.reduce_op, self.size)
 
