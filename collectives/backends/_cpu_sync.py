@@ -114,9 +114,10 @@ class Lockstep:
     Args:
         info: the group.
         views: every rank's segment, in group-rank order (this rank's own included).
+        native: the compiled helper's module (:func:`native_module`), or None: pure Python.
     """
 
-    def __init__(self, info: GroupInfo, views: list[SegmentView]) -> None:
+    def __init__(self, info: GroupInfo, views: list[SegmentView], native: Any = None) -> None:
         self.info = info
         self.size = info.size
         self.rank = info.rank  # in the group
@@ -133,10 +134,9 @@ class Lockstep:
         # id(signature) -> (it, its record after the sequence number with no data location,
         # its compiled reduction code)
         self._records: dict[int, tuple[Signature, bytes, int]] = {}
-        mod = native_module() if self.size > 1 else None
         self.native: Any = None
-        if mod is not None:
-            self.native = mod.Sync(
+        if native is not None and self.size > 1:
+            self.native = native.Sync(
                 self.rank,
                 tuple(v.ctr_addr for v in views),
                 tuple(v.slot_addrs[0] for v in views),
@@ -177,18 +177,24 @@ class Lockstep:
         self._settle(req, post, rec)
         return post
 
-    def begin_reduce(self, req: Request, flat: Any, par: int) -> bool:
-        """The small all-reduce's first (and only) post, compiled: copy ``flat`` into staging
-        slot ``par``, post, wait, check, and reduce every rank's slot into ``flat`` when the
-        helper has a loop for its dtype and op (True; AVG divided here), else False (the
-        caller reduces). Only with :attr:`native`."""
-        rec, code = self._record(req.signature)
-        self._posts += 1
-        post = self._posts
-        rc = self.native.begin(post, req.seq, rec, flat, par, code)
+    def begin_reduce(self, req: Request, arr: Any, par: int) -> bool:
+        """The small all-reduce's first (and only) post, compiled: copy the C-contiguous
+        ``arr`` into staging slot ``par``, post, wait, check, and reduce every rank's slot
+        into ``arr`` when the helper has a loop for its dtype and op (True; AVG divided
+        here), else False (the caller reduces). Only with :attr:`native`."""
+        sig = req.signature
+        hit = self._records.get(id(sig))  # what _record returns, inline: this is per call
+        if hit is None or hit[0] is not sig:
+            rec, code = self._record(sig)
+        else:
+            rec, code = hit[1], hit[2]
+        post = self._posts + 1
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc = self.native.begin(post, req.seq, rec, arr, par, code)
+        self._posts = post
         if rc == RC_DONE:
             if req.reduce_op is ReduceOp.AVG:
-                np.true_divide(flat, self.size, out=flat, casting="unsafe")
+                np.true_divide(arr, self.size, out=arr, casting="unsafe")
             return True
         if rc != RC_REDUCE:
             self._settle(req, post, rec)

@@ -50,7 +50,7 @@ from ._cpu_layout import (
     env_bytes,
     reached,
 )
-from ._cpu_sync import Lockstep, abort_kind
+from ._cpu_sync import Lockstep, abort_kind, native_module
 from ._proc import host_id
 from ._reduce import reduce_in_order
 from ._setup_wait import SetupWatch, register_last_words, setup_op
@@ -60,7 +60,6 @@ __all__ = ["CpuBackend"]
 
 _UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
-_NATIVE_KINDS = "iuf"  # what the group reduces; the helper has loops for most (_cpu_sync)
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -96,6 +95,8 @@ class CpuBackend(Backend):
             raise ValueError("the cpu backend needs a rendezvous store for world size > 1")
         self.size = n = info.size
         self.rank = info.rank  # in the group
+        # Before any segment exists: DPT_CPU_NATIVE=1 without the helper fails here, cleanly.
+        native = native_module() if n > 1 else None
         self.layout = Layout(
             n,
             env_bytes("DPT_CPU_CHUNK_BYTES", 4 << 20),
@@ -122,7 +123,7 @@ class CpuBackend(Backend):
             raise
         self.views = [own_view if s is self._own else SegmentView(s, self.layout) for s in segs]
         self.mine = own_view
-        self.sync = Lockstep(info, self.views)
+        self.sync = Lockstep(info, self.views, native)
         if n > 1:
             _LIVE.add(self)
             on_uncaught(_tell_peers_uncaught)
@@ -209,6 +210,18 @@ class CpuBackend(Backend):
     def _do_barrier(self, req: Request) -> None:
         self.sync.begin(req)
 
+    def run(self, req: Request) -> None:
+        """Execute ``req``; a small all-reduce straight away (the per-call path that matters
+        most), everything else through :meth:`Backend.run`'s dispatch."""
+        if req.op == "all_reduce" and self.size > 1:
+            arr = req.array
+            if arr.nbytes <= self.small:
+                self._all_reduce_small(req, arr)
+            else:
+                self._do_all_reduce(req)
+            return
+        super().run(req)
+
     def _do_all_reduce(self, req: Request) -> None:
         arr = req.array
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
@@ -225,13 +238,16 @@ class CpuBackend(Backend):
         else:
             self._all_reduce_chunks(req, flat, first_done=True)
 
-    def _all_reduce_small(self, req: Request, flat: Any) -> None:
+    def _all_reduce_small(self, req: Request, arr: Any) -> None:
+        """One phase: every rank stages its (contiguous) ``arr``, then reduces every rank's
+        copy in rank order into it."""
         par = self._slot_parity
         self._slot_parity = par ^ 1
         sync = self.sync
-        if sync.native is not None and flat.dtype.kind in _NATIVE_KINDS:
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
+        if sync.native is not None:
             # Copy in, post, wait, check and (most dtypes and ops) reduce: one compiled call.
-            if sync.begin_reduce(req, flat, par):
+            if sync.begin_reduce(req, arr, par):
                 return
             sources = self._small_slots(par, flat.dtype, flat.size)[1]
         else:
