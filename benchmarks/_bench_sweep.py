@@ -317,6 +317,7 @@ def worker(engine: str, args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"{engine}: {e}") from e
     try:
         rows = run_sweep(eng, args, engine)
-        return {"engine": engine, "world": eng.size, "rank": eng.rank, "rows": rows}
+        res = {"engine": engine, "world": eng.size, "rank": eng.rank, "rows": rows}
+        return {**res, **eng.describe()}
     finally:
         eng.close()

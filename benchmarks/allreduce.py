@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare",
         default="",
-        help="peers, comma separated: gloo,mpi4py (others'), cpu,cpu-zc,mpi,mpi-nb (ours)",
+        help="peers, comma separated: gloo,mpi4py (others'), cpu,cpu-zc,cpu-py,mpi,mpi-nb (ours)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--zero-copy", action="store_true", help="cpu: buffers from group.alloc")
@@ -244,6 +244,8 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         env.pop(var, None)
+    if engine == "cpu-py":
+        env["DPT_CPU_NATIVE"] = "0"  # the cpu backend without its compiled helper
     argv = _worker_argv(engine, args, out)
     if engine in MPIEXEC_ENGINES:
         return _launch_mpiexec(engine, args.nproc, argv, env, tmp)

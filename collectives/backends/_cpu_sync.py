@@ -142,7 +142,6 @@ class Lockstep:
                 tuple(v.slot_addrs[0] for v in views),
                 tuple(v.slot_addrs[1] for v in views),
                 self.spin,
-                self.yield_time,
             )
 
     # ------------------------------------------------------------------ posts
@@ -170,7 +169,7 @@ class Lockstep:
         self._posts += 1
         post = self._posts
         if self.native is not None:
-            if self.native.begin(post, req.seq, rec, None, 0, -1) != RC_DONE:
+            if self.native.begin(post, req.seq, rec, None, 0, -1, self._limit(req)) != RC_DONE:
                 self._settle(req, post, rec)
             return post
         self._publish(post, req.seq, rec)
@@ -190,7 +189,8 @@ class Lockstep:
             rec, code = hit[1], hit[2]
         post = self._posts + 1
         # It raises (a bad argument) before it posts anything; then the count stays.
-        rc = self.native.begin(post, req.seq, rec, arr, par, code)
+        limit = self.spin if req.on_thread else self.yield_time  # _limit(req), inline
+        rc = self.native.begin(post, req.seq, rec, arr, par, code, limit)
         self._posts = post
         if rc == RC_DONE:
             if req.reduce_op is ReduceOp.AVG:
@@ -199,6 +199,12 @@ class Lockstep:
         if rc != RC_REDUCE:
             self._settle(req, post, rec)
         return False
+
+    def _limit(self, req: Request) -> float:
+        """How long the helper waits before handing the wait to :meth:`wait_word`: as long as
+        that would spin and yield, so only the futex sleep is left to Python (on the
+        communication thread, which :meth:`wait_word` never lets yield, only the spin)."""
+        return self.spin if req.on_thread else self.yield_time
 
     def _publish(self, post: int, seq: int, rec: bytes) -> None:
         """Write post ``post``'s signature record (Python), then post it."""
@@ -244,7 +250,7 @@ class Lockstep:
         """One more (post, wait for all) step of the current collective."""
         if self.native is not None:
             self._posts += 1
-            if self.native.phase(self._posts) != RC_DONE:
+            if self.native.phase(self._posts, self._limit(req)) != RC_DONE:
                 self.wait_all(self._posts, req)
             return
         self.wait_all(self.post(), req)

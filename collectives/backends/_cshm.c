@@ -44,8 +44,7 @@ typedef struct {
     uint32_t **hdr;     /* every rank's header words */
     char **slot[2];     /* every rank's staging slots */
     char **src;         /* scratch: the sources of one reduction */
-    double spin;        /* seconds of pure spinning, then */
-    double yield_time;  /* seconds (from the start) of polling with sched_yield */
+    double spin;        /* seconds of pure spinning, then polls with sched_yield */
 } SyncObject;
 
 static inline double now(void) {
@@ -80,8 +79,9 @@ static void post(SyncObject *s, uint32_t p) {
     }
 }
 
-/* Spin, then poll yielding the core; 0 when some peer has not reached ``target`` in time. */
-static int wait_all(SyncObject *s, uint32_t target) {
+/* Spin, then poll yielding the core until ``limit`` seconds passed; 0 when some peer has not
+ * reached ``target`` by then. */
+static int wait_all(SyncObject *s, uint32_t target, double limit) {
     double start = 0.0;
     for (int q = 0; q < s->n; q++) {
         if (q == s->rank) continue;
@@ -95,7 +95,7 @@ static int wait_all(SyncObject *s, uint32_t target) {
             double t = now();
             if (start == 0.0) start = t;
             double spent = t - start;
-            if (spent >= s->yield_time) return 0;
+            if (spent >= limit) return 0;
             if (spent >= s->spin) sched_yield();
         }
     }
@@ -196,10 +196,10 @@ static int addresses(PyObject *seq, int n, void **out, const char *what) {
 static int Sync_init(SyncObject *s, PyObject *args, PyObject *kwds) {
     int rank;
     PyObject *hdrs, *slots0, *slots1;
-    double spin, yield_time;
-    static char *kwlist[] = {"rank", "headers", "slots0", "slots1", "spin", "yield_time", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOdd", kwlist, &rank, &hdrs, &slots0,
-                                     &slots1, &spin, &yield_time))
+    double spin;
+    static char *kwlist[] = {"rank", "headers", "slots0", "slots1", "spin", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOd", kwlist, &rank, &hdrs, &slots0,
+                                     &slots1, &spin))
         return -1;
     if (!PyTuple_Check(hdrs) || PyTuple_GET_SIZE(hdrs) < 1) {
         PyErr_SetString(PyExc_ValueError, "headers: expected a non-empty tuple of addresses");
@@ -213,7 +213,6 @@ static int Sync_init(SyncObject *s, PyObject *args, PyObject *kwds) {
     s->n = n;
     s->rank = rank;
     s->spin = spin;
-    s->yield_time = yield_time;
     s->hdr = PyMem_Calloc(n, sizeof(uint32_t *));
     s->slot[0] = PyMem_Calloc(n, sizeof(char *));
     s->slot[1] = PyMem_Calloc(n, sizeof(char *));
@@ -243,15 +242,16 @@ static int check(SyncObject *s, uint32_t p) {
     return RC_DONE;
 }
 
-/* begin(post, seq, record, array, parity, code) -> rc
+/* begin(post, seq, record, array, parity, code, limit) -> rc
  *
  * A collective's first post: (with ``array``: copy it into staging slot ``parity``), write
  * the signature record (``seq`` as 8 little-endian bytes, then ``record``: the rest of the
- * record and the data location, SIG_SLOT - 8 bytes), post, wait for every peer, check. With
- * ``array`` and ``code`` >= 0, then reduce every rank's slot into ``array`` in rank order. */
+ * record and the data location, SIG_SLOT - 8 bytes), post, wait for every peer (at most
+ * ``limit`` seconds), check. With ``array`` and ``code`` >= 0, then reduce every rank's slot
+ * into ``array`` in rank order. Arguments are checked before anything is written. */
 static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "begin() takes 6 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "begin() takes 7 arguments");
         return NULL;
     }
     unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
@@ -264,6 +264,7 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     }
     int par = PyLong_AsLong(args[4]) & 1;
     long code = PyLong_AsLong(args[5]);
+    double limit = PyFloat_AsDouble(args[6]);
     if (PyErr_Occurred()) return NULL;
     Py_buffer view = {0};
     int have = args[3] != Py_None;
@@ -281,7 +282,7 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     for (int i = 0; i < 8; i++) sig[i] = (char)((seq >> (8 * i)) & 0xFF);
     memcpy(sig + 8, recp, SIG_SLOT - 8);
     post(s, target);
-    if (!wait_all(s, target)) {
+    if (!wait_all(s, target, limit)) {
         rc = RC_WAIT;
     } else {
         rc = check(s, target);
@@ -299,22 +300,29 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(rc);
 }
 
-/* phase(post) -> rc: a plain post, then the wait for every peer (RC_DONE or RC_WAIT). */
-static PyObject *Sync_phase(SyncObject *s, PyObject *arg) {
-    unsigned long long p = PyLong_AsUnsignedLongLongMask(arg);
+/* phase(post, limit) -> rc: a plain post, then the wait for every peer (RC_DONE, or RC_WAIT
+ * after ``limit`` seconds). */
+static PyObject *Sync_phase(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "phase() takes 2 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    double limit = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred()) return NULL;
     int ok;
     Py_BEGIN_ALLOW_THREADS
     post(s, (uint32_t)p);
-    ok = wait_all(s, (uint32_t)p);
+    ok = wait_all(s, (uint32_t)p, limit);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(ok ? RC_DONE : RC_WAIT);
 }
 
 static PyMethodDef Sync_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))Sync_begin, METH_FASTCALL,
-     "begin(post, seq, record, array, parity, code) -> rc: a collective's first post."},
-    {"phase", (PyCFunction)Sync_phase, METH_O, "phase(post) -> rc: post, then wait for all."},
+     "begin(post, seq, record, array, parity, code, limit) -> rc: a collective's first post."},
+    {"phase", (PyCFunction)(void (*)(void))Sync_phase, METH_FASTCALL,
+     "phase(post, limit) -> rc: post, then wait for all."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,9 +16,16 @@ class Sync:
         slots0: tuple[int, ...],
         slots1: tuple[int, ...],
         spin: float,
-        yield_time: float,
     ) -> None: ...
     def begin(
-        self, post: int, seq: int, record: bytes, array: Any, parity: int, code: int, /
+        self,
+        post: int,
+        seq: int,
+        record: bytes,
+        array: Any,
+        parity: int,
+        code: int,
+        limit: float,
+        /,
     ) -> int: ...
-    def phase(self, post: int, /) -> int: ...
+    def phase(self, post: int, limit: float, /) -> int: ...

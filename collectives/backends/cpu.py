@@ -244,11 +244,11 @@ class CpuBackend(Backend):
         par = self._slot_parity
         self._slot_parity = par ^ 1
         sync = self.sync
+        # Copy in, post, wait, check and (most dtypes and ops) reduce: one compiled call.
+        if sync.native is not None and sync.begin_reduce(req, arr, par):
+            return
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
-        if sync.native is not None:
-            # Copy in, post, wait, check and (most dtypes and ops) reduce: one compiled call.
-            if sync.begin_reduce(req, arr, par):
-                return
+        if sync.native is not None:  # staged and checked; NumPy reduces this dtype and op
             sources = self._small_slots(par, flat.dtype, flat.size)[1]
         else:
             own, sources = self._small_slots(par, flat.dtype, flat.size)
