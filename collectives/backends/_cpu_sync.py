@@ -132,8 +132,8 @@ class Lockstep:
         self.slice = 0.005
         self._posts = 0
         # id(signature) -> (it, its record after the sequence number with no data location,
-        # its compiled reduction code)
-        self._records: dict[int, tuple[Signature, bytes, int]] = {}
+        # its compiled reduction code, whether its op is AVG)
+        self._records: dict[int, tuple[Signature, bytes, int, bool]] = {}
         self.native: Any = None
         if native is not None and self.size > 1:
             self.native = native.Sync(
@@ -182,22 +182,21 @@ class Lockstep:
         into ``arr`` when the helper has a loop for its dtype and op (True; AVG divided
         here), else False (the caller reduces). Only with :attr:`native`."""
         sig = req.signature
-        hit = self._records.get(id(sig))  # what _record returns, inline: this is per call
+        hit = self._records.get(id(sig))  # _record's cache, read inline: this runs per call
         if hit is None or hit[0] is not sig:
-            rec, code = self._record(sig)
-        else:
-            rec, code = hit[1], hit[2]
+            self._record(sig)
+            hit = self._records[id(sig)]
         post = self._posts + 1
-        # It raises (a bad argument) before it posts anything; then the count stays.
         limit = self.spin if req.on_thread else self.yield_time  # _limit(req), inline
-        rc = self.native.begin(post, req.seq, rec, arr, par, code, limit)
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc = self.native.begin(post, req.seq, hit[1], arr, par, hit[2], limit)
         self._posts = post
         if rc == RC_DONE:
-            if req.reduce_op is ReduceOp.AVG:
+            if hit[3]:  # AVG
                 np.true_divide(arr, self.size, out=arr, casting="unsafe")
             return True
         if rc != RC_REDUCE:
-            self._settle(req, post, rec)
+            self._settle(req, post, hit[1])
         return False
 
     def _limit(self, req: Request) -> float:
@@ -243,7 +242,7 @@ class Lockstep:
         code = _native_code(sig)
         if len(self._records) >= 256:
             self._records.clear()
-        self._records[id(sig)] = (sig, rec, code)
+        self._records[id(sig)] = (sig, rec, code, sig.reduce_op is ReduceOp.AVG)
         return rec, code
 
     def phase(self, req: Request) -> None:

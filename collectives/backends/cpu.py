@@ -212,22 +212,26 @@ class CpuBackend(Backend):
 
     def run(self, req: Request) -> None:
         """Execute ``req``; a small all-reduce straight away (the per-call path that matters
-        most), everything else through :meth:`Backend.run`'s dispatch."""
+        most: with the helper, one compiled call does it), the rest through
+        :meth:`Backend.run`'s dispatch."""
         if req.op == "all_reduce" and self.size > 1:
             arr = req.array
-            if arr.nbytes <= self.small:
-                self._all_reduce_small(req, arr)
-            else:
+            if arr.nbytes > self.small:
                 self._do_all_reduce(req)
+                return
+            par = self._slot_parity
+            self._slot_parity = par ^ 1
+            sync = self.sync
+            if sync.native is None:
+                self._all_reduce_small(req, arr, par, staged=False)
+            elif not sync.begin_reduce(req, arr, par):
+                self._all_reduce_small(req, arr, par, staged=True)
             return
         super().run(req)
 
     def _do_all_reduce(self, req: Request) -> None:
         arr = req.array
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
-        if flat.nbytes <= self.small:
-            self._all_reduce_small(req, flat)
-            return
         # Large: a signature-only first post says where each rank's data is, so that ranks
         # whose arrays all live in shared memory can skip staging altogether.
         loc = self._zero_copy_loc(flat) or NO_LOCATION
@@ -238,22 +242,15 @@ class CpuBackend(Backend):
         else:
             self._all_reduce_chunks(req, flat, first_done=True)
 
-    def _all_reduce_small(self, req: Request, arr: Any) -> None:
-        """One phase: every rank stages its (contiguous) ``arr``, then reduces every rank's
-        copy in rank order into it."""
-        par = self._slot_parity
-        self._slot_parity = par ^ 1
-        sync = self.sync
-        # Copy in, post, wait, check and (most dtypes and ops) reduce: one compiled call.
-        if sync.native is not None and sync.begin_reduce(req, arr, par):
-            return
+    def _all_reduce_small(self, req: Request, arr: Any, par: int, staged: bool) -> None:
+        """One phase: every rank stages its (contiguous) ``arr`` in slot ``par``, then reduces
+        every rank's copy in rank order into it (``staged``: the helper did all but the
+        reduction already)."""
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
-        if sync.native is not None:  # staged and checked; NumPy reduces this dtype and op
-            sources = self._small_slots(par, flat.dtype, flat.size)[1]
-        else:
-            own, sources = self._small_slots(par, flat.dtype, flat.size)
+        own, sources = self._small_slots(par, flat.dtype, flat.size)
+        if not staged:
             np.copyto(own, flat)
-            sync.begin(req)
+            self.sync.begin(req)
         assert req.reduce_op is not None
         reduce_in_order(flat, sources, req.reduce_op, self.size)
 
