@@ -110,7 +110,7 @@ class Ours(Engine):
     def describe(self) -> dict[str, Any]:
         # The cpu backend: whether its compiled helper ran (cpu-py: DPT_CPU_NATIVE=0).
         sync = getattr(self.group.backend, "sync", None)
-        return {} if sync is None else {"native": sync.native is not None}
+        return {} if sync is None else {"native": getattr(sync, "native", None) is not None}
 
     def close(self) -> None:
         self.C.destroy_process_group()

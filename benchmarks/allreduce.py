@@ -86,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
         help="each call async while rank 0's main thread runs Python until it completed, "
         "beside the same calls with rank 0 waiting idly (busy/idle column)",
     )
+    p.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each rank of every engine to a core of its own once joined (local rank r "
+        "to the r-th allowed core, as mpiexec binds its ranks by default)",
+    )
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
@@ -224,6 +230,7 @@ def _worker_argv(engine: str, args: argparse.Namespace, out: str) -> list[str]:
     argv += ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters)]
     argv += ["--blocks", str(args.blocks), "--check" if args.check else "--no-check"]
     argv += ["--busy-main"] if args.busy_main else []
+    argv += ["--bind-cores"] if args.bind_cores else []
     return argv + (["--async"] if args.async_op else [])
 
 

@@ -156,7 +156,8 @@ def test_timed_data_never_overflows() -> None:
 @pytest.mark.timeout(120)
 def test_cpu_py_is_the_cpu_backend_without_its_helper(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    p = bench("--nproc", "2", *TINY, "--compare", "cpu-py", "--json", str(out))
+    # With --bind-cores: every rank on a core of its own (the run must work the same).
+    p = bench("--nproc", "2", *TINY, "--bind-cores", "--compare", "cpu-py", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert all(r[8] == "0" and r[14] == "0" for r in data_rows(p.stdout))  # #wrong, both
     res = json.loads(out.read_text())["results"]
