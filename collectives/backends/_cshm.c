@@ -20,7 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Layout constants (checked against _cpu_layout.py by the Python side at construction). */
+/* _cpu_layout.py's header words and offsets (native_module() refuses a build whose H_SIG,
+ * SIG_SLOT or COMPARED differ from Python's). */
 #define W_CTR 0
 #define W_SLEEP 1
 #define W_ABORT 2
