@@ -1,6 +1,7 @@
 """allreduce-bench's engines: one rank's view of each communication library it can time.
 
-Ours: cpu, cpu-zc (group.alloc buffers), nccl, mpi (blocking engine), mpi-nb (its
+Ours: cpu, cpu-zc (group.alloc buffers), cpu-py (the cpu backend's pure-Python path,
+``DPT_CPU_NATIVE=0``), nccl, mpi (blocking engine), mpi-nb (its
 non-blocking engine), threads (rank threads of one process, the threads backend). Peers:
 gloo (torch.distributed), mpi4py (raw calls on COMM_WORLD).
 Each engine maps the five collectives onto its own library's calls; ``availability`` says
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-ENGINES = ("cpu", "cpu-zc", "nccl", "mpi", "mpi-nb", "threads", "gloo", "mpi4py")
+ENGINES = ("cpu", "cpu-zc", "cpu-py", "nccl", "mpi", "mpi-nb", "threads", "gloo", "mpi4py")
 MPIEXEC_ENGINES = ("mpi", "mpi-nb", "mpi4py")  # their ranks are started by mpiexec
 
 
@@ -51,6 +52,10 @@ class Engine:
 
     def synchronize(self) -> None:
         pass
+
+    def describe(self) -> dict[str, Any]:
+        """What the JSON result records about how this engine ran, beside its rows."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -101,6 +106,11 @@ class Ours(Engine):
     def synchronize(self) -> None:
         if self.xp is not np:
             self.xp.cuda.Device().synchronize()
+
+    def describe(self) -> dict[str, Any]:
+        # The cpu backend: whether its compiled helper ran (cpu-py: DPT_CPU_NATIVE=0).
+        sync = getattr(self.group.backend, "sync", None)
+        return {} if sync is None else {"native": getattr(sync, "native", None) is not None}
 
     def close(self) -> None:
         self.C.destroy_process_group()
@@ -188,7 +198,7 @@ class Mpi(PeerEngine):
 
 def make_engine(engine: str, device: str) -> Engine:
     """Join the job's ranks through ``engine``."""
-    if engine in ("cpu", "cpu-zc"):
+    if engine in ("cpu", "cpu-zc", "cpu-py"):  # cpu-py: launch() sets DPT_CPU_NATIVE=0
         return Ours("cpu", zero_copy=engine == "cpu-zc", device=device)
     if engine == "nccl":
         return Ours("nccl", zero_copy=False, device="cuda")
@@ -209,7 +219,7 @@ def find_mpiexec() -> str | None:
 
 def availability(engine: str, device: str) -> str | None:
     """None when ``engine`` can run here, else the reason (one line)."""
-    if engine == "nccl" or (engine in ("cpu", "cpu-zc") and device == "cuda"):
+    if engine == "nccl" or (engine in ("cpu", "cpu-zc", "cpu-py") and device == "cuda"):
         import collectives
 
         why = collectives.backend_unavailable_reason("nccl")

@@ -315,8 +315,13 @@ def worker(engine: str, args: argparse.Namespace) -> dict[str, Any]:
         eng = make_engine(engine, args.device)
     except ImportError as e:
         raise UsageError(f"{engine}: {e}") from e
+    if getattr(args, "bind_cores", False):
+        # After joining: the cpu backend sizes its spin from the cores it may use at init.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[eng.rank % len(cores)]})
     try:
         rows = run_sweep(eng, args, engine)
-        return {"engine": engine, "world": eng.size, "rank": eng.rank, "rows": rows}
+        res = {"engine": engine, "world": eng.size, "rank": eng.rank, "rows": rows}
+        return {**res, **eng.describe()}
     finally:
         eng.close()

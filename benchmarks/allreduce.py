@@ -86,13 +86,19 @@ def parser() -> argparse.ArgumentParser:
         help="each call async while rank 0's main thread runs Python until it completed, "
         "beside the same calls with rank 0 waiting idly (busy/idle column)",
     )
+    p.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each rank of every engine to a core of its own once joined (local rank r "
+        "to the r-th allowed core, as mpiexec binds its ranks by default)",
+    )
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     p.add_argument(
         "--compare",
         default="",
-        help="peers, comma separated: gloo,mpi4py (others'), cpu,cpu-zc,mpi,mpi-nb (ours)",
+        help="peers, comma separated: gloo,mpi4py (others'), cpu,cpu-zc,cpu-py,mpi,mpi-nb (ours)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--zero-copy", action="store_true", help="cpu: buffers from group.alloc")
@@ -224,6 +230,7 @@ def _worker_argv(engine: str, args: argparse.Namespace, out: str) -> list[str]:
     argv += ["--iters", str(args.iters), "--warmup-iters", str(args.warmup_iters)]
     argv += ["--blocks", str(args.blocks), "--check" if args.check else "--no-check"]
     argv += ["--busy-main"] if args.busy_main else []
+    argv += ["--bind-cores"] if args.bind_cores else []
     return argv + (["--async"] if args.async_op else [])
 
 
@@ -244,6 +251,8 @@ def launch(engine: str, args: argparse.Namespace, out: str, tmp: str) -> str | N
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         env.pop(var, None)
+    if engine == "cpu-py":
+        env["DPT_CPU_NATIVE"] = "0"  # the cpu backend without its compiled helper
     argv = _worker_argv(engine, args, out)
     if engine in MPIEXEC_ENGINES:
         return _launch_mpiexec(engine, args.nproc, argv, env, tmp)

@@ -13,6 +13,12 @@ every rank before any data moves. A rank that times out, sees a mismatch or rais
 abort flag with a reason; waiting peers check abort flags and whether the peers they wait for
 are still alive, so a dead or failed rank makes every other rank fail within a fraction of a
 second.
+
+The common case of those steps (a collective's first post and its checks, a plain phase, and
+the small all-reduce's copy and reduction) runs in a compiled helper when one is built
+(``_cshm.c``, the same protocol, with the GIL released); it hands anything unusual (a wait
+longer than the spin and yield phases, a mismatch, a peer's abort) back to the Python code
+here. ``DPT_CPU_NATIVE=0`` keeps everything in Python; ``1`` requires the helper.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 from .._backend import GroupInfo, Request
 from .._errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
 from .._signature import SIG_BYTES, Signature, mismatch_text, record_bytes
+from .._types import ReduceOp
 from ._cpu_layout import (
     ABORT_CLOSED,
     ABORT_FAILED,
@@ -46,11 +53,59 @@ from ._cpu_layout import (
 from ._proc import pid_alive
 from ._shm import Futex
 
-__all__ = ["Lockstep"]
+__all__ = ["Lockstep", "native_module"]
 
+_NATIVE_ENV = "DPT_CPU_NATIVE"
+# What _cshm's begin() and phase() return (see _cshm.c).
+RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
+# The compiled reductions: dtype index * 4 + op index (the table in _cshm.c).
+_NATIVE_DTYPES = ["float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "uint64"]
+_NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2}
+_NATIVE_OPS[ReduceOp.MAX] = 3
 _COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
 _NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
 _U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def native_module() -> Any:
+    """The compiled helper ``_cshm``, or None: not built, or ``DPT_CPU_NATIVE=0``.
+
+    Raises:
+        ValueError: ``DPT_CPU_NATIVE`` is neither empty, 0 nor 1.
+        RuntimeError: ``DPT_CPU_NATIVE=1`` but the helper is not built.
+    """
+    raw = os.environ.get(_NATIVE_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(
+            f"{_NATIVE_ENV} must be 0 (pure Python), 1 (compiled) or unset, got {raw!r}"
+        )
+    if raw == "0":
+        return None
+    try:
+        from . import _cshm
+    except ImportError as exc:
+        if raw == "1":
+            raise RuntimeError(
+                f"{_NATIVE_ENV}=1 but the cpu backend's compiled helper is not built ({exc}); "
+                "reinstall with a C compiler present (pip install -e .) or unset it"
+            ) from exc
+        return None
+    if (_cshm.H_SIG, _cshm.SIG_SLOT, _cshm.COMPARED) != (H_SIG, SIG_SLOT, _COMPARED):
+        raise RuntimeError("collectives.backends._cshm was built for another layout: rebuild it")
+    return _cshm
+
+
+def _native_code(sig: Signature) -> int:
+    """The compiled reduction for ``sig``'s dtype and op, or -1 (NumPy reduces)."""
+    if sig.dtype is None or sig.reduce_op is None:
+        return -1
+    dt = np.dtype(sig.dtype)
+    if not dt.isnative or dt.name not in _NATIVE_DTYPES:
+        return -1
+    k, o = _NATIVE_DTYPES.index(dt.name), _NATIVE_OPS[sig.reduce_op]
+    if k < 2 and o >= 2:
+        return -1  # float min/max: NumPy's NaN and signed-zero rules are its own
+    return 4 * k + o
 
 
 class Lockstep:
@@ -59,9 +114,10 @@ class Lockstep:
     Args:
         info: the group.
         views: every rank's segment, in group-rank order (this rank's own included).
+        native: the compiled helper's module (:func:`native_module`), or None: pure Python.
     """
 
-    def __init__(self, info: GroupInfo, views: list[SegmentView]) -> None:
+    def __init__(self, info: GroupInfo, views: list[SegmentView], native: Any = None) -> None:
         self.info = info
         self.size = info.size
         self.rank = info.rank  # in the group
@@ -75,16 +131,24 @@ class Lockstep:
         self.yield_time = 2e-3 if self.size <= cores else 200e-6
         self.slice = 0.005
         self._posts = 0
-        self._tails: dict[int, tuple[Signature, bytes]] = {}
+        # id(signature) -> (it, its record after the sequence number with no data location,
+        # its compiled reduction code, whether its op is AVG)
+        self._records: dict[int, tuple[Signature, bytes, int, bool]] = {}
+        self.native: Any = None
+        if native is not None and self.size > 1:
+            self.native = native.Sync(
+                self.rank,
+                tuple(v.ctr_addr for v in views),
+                tuple(v.slot_addrs[0] for v in views),
+                tuple(v.slot_addrs[1] for v in views),
+                self.spin,
+            )
 
     # ------------------------------------------------------------------ posts
-    def post(self, sig: bytes | None = None) -> int:
-        """Publish this rank's next post (with a signature on a collective's first post)."""
+    def post(self) -> int:
+        """Publish this rank's next post (Python; a first post goes through :meth:`begin`)."""
         self._posts += 1
         p = self._posts
-        if sig is not None:
-            off = H_SIG + (p & 1) * SIG_SLOT
-            self.mine.seg.buf[off : off + len(sig)] = sig
         self.mine.hdr[W_CTR] = p & U32_MASK
         self.wake_if_sleeping(self.mine.ctr_addr)
         return p
@@ -98,39 +162,96 @@ class Lockstep:
 
     def begin(self, req: Request, loc: tuple[int, int, int, int] = NO_LOCATION) -> int:
         """First post of a collective: signature out, wait for all, compare; returns the post."""
-        sig = (req.seq & _U64).to_bytes(8, "little") + self._tail(req.signature)
-        post = self.post(sig + (_NO_LOCATION_BYTES if loc is NO_LOCATION else LOCATION.pack(*loc)))
+        if loc is NO_LOCATION:
+            rec = self._record(req.signature)[0]
+        else:
+            rec = record_bytes(req.signature, 0)[8:] + LOCATION.pack(*loc)
+        self._posts += 1
+        post = self._posts
+        if self.native is not None:
+            if self.native.begin(post, req.seq, rec, None, 0, -1, self._limit(req)) != RC_DONE:
+                self._settle(req, post, rec)
+            return post
+        self._publish(post, req.seq, rec)
+        self._settle(req, post, rec)
+        return post
+
+    def begin_reduce(self, req: Request, arr: Any, par: int) -> bool:
+        """The small all-reduce's first (and only) post, compiled: copy the C-contiguous
+        ``arr`` into staging slot ``par``, post, wait, check, and reduce every rank's slot
+        into ``arr`` when the helper has a loop for its dtype and op (True; AVG divided
+        here), else False (the caller reduces). Only with :attr:`native`."""
+        sig = req.signature
+        hit = self._records.get(id(sig))  # _record's cache, read inline: this runs per call
+        if hit is None or hit[0] is not sig:
+            self._record(sig)
+            hit = self._records[id(sig)]
+        post = self._posts + 1
+        limit = self.spin if req.on_thread else self.yield_time  # _limit(req), inline
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc = self.native.begin(post, req.seq, hit[1], arr, par, hit[2], limit)
+        self._posts = post
+        if rc == RC_DONE:
+            if hit[3]:  # AVG
+                np.true_divide(arr, self.size, out=arr, casting="unsafe")
+            return True
+        if rc != RC_REDUCE:
+            self._settle(req, post, hit[1])
+        return False
+
+    def _limit(self, req: Request) -> float:
+        """How long the helper waits before handing the wait to :meth:`wait_word`: as long as
+        that would spin and yield, so only the futex sleep is left to Python (on the
+        communication thread, which :meth:`wait_word` never lets yield, only the spin)."""
+        return self.spin if req.on_thread else self.yield_time
+
+    def _publish(self, post: int, seq: int, rec: bytes) -> None:
+        """Write post ``post``'s signature record (Python), then post it."""
+        off = H_SIG + (post & 1) * SIG_SLOT
+        self.mine.seg.buf[off : off + SIG_SLOT] = (seq & _U64).to_bytes(8, "little") + rec
+        self.mine.hdr[W_CTR] = post & U32_MASK
+        self.wake_if_sleeping(self.mine.ctr_addr)
+
+    def _settle(self, req: Request, post: int, rec: bytes) -> None:
+        """After posting ``post``: wait for all, compare signatures, look for aborts."""
         self.wait_all(post, req)
+        sig = (req.seq & _U64).to_bytes(8, "little") + rec
         core = sig[:_COMPARED]
         off = H_SIG + (post & 1) * SIG_SLOT
         end = off + _COMPARED
         for q, peer in enumerate(self.views):
             if q != self.rank and peer.seg.buf[off:end] != core:
-                self._mismatch(req, post, sig)
+                self._mismatch(req, post, sig[:SIG_BYTES])
         # A rank arriving after its peers gave up (timeout) finds their posts: without this it
         # would "complete" a collective that failed everywhere else (signatures first, so a
         # mismatch is still reported as one on every rank).
         self.check_aborts(req)
-        return post
 
-    def _tail(self, sig: Signature) -> bytes:
-        """The signature record of ``sig`` after its sequence number (as ``record_bytes``).
+    def _record(self, sig: Signature) -> tuple[bytes, int]:
+        """``sig``'s record after its sequence number, with no data location (as
+        ``record_bytes``), and its compiled reduction code.
 
         Cached by identity, holding ``sig`` (so its id is not reused): hashing a Signature
         hashes its ReduceOp, a Python-level call, and the group passes the same Signature
         object for repeated calls of one shape.
         """
-        hit = self._tails.get(id(sig))
+        hit = self._records.get(id(sig))
         if hit is not None and hit[0] is sig:
-            return hit[1]
-        tail = record_bytes(sig, 0)[8:]
-        if len(self._tails) >= 256:
-            self._tails.clear()
-        self._tails[id(sig)] = (sig, tail)
-        return tail
+            return hit[1], hit[2]
+        rec = record_bytes(sig, 0)[8:] + _NO_LOCATION_BYTES
+        code = _native_code(sig)
+        if len(self._records) >= 256:
+            self._records.clear()
+        self._records[id(sig)] = (sig, rec, code, sig.reduce_op is ReduceOp.AVG)
+        return rec, code
 
     def phase(self, req: Request) -> None:
         """One more (post, wait for all) step of the current collective."""
+        if self.native is not None:
+            self._posts += 1
+            if self.native.phase(self._posts, self._limit(req)) != RC_DONE:
+                self.wait_all(self._posts, req)
+            return
         self.wait_all(self.post(), req)
 
     def locations(self, post: int) -> list[tuple[int, int, int, int]]:

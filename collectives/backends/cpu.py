@@ -50,7 +50,7 @@ from ._cpu_layout import (
     env_bytes,
     reached,
 )
-from ._cpu_sync import Lockstep, abort_kind
+from ._cpu_sync import Lockstep, abort_kind, native_module
 from ._proc import host_id
 from ._reduce import reduce_in_order
 from ._setup_wait import SetupWatch, register_last_words, setup_op
@@ -95,6 +95,8 @@ class CpuBackend(Backend):
             raise ValueError("the cpu backend needs a rendezvous store for world size > 1")
         self.size = n = info.size
         self.rank = info.rank  # in the group
+        # Before any segment exists: DPT_CPU_NATIVE=1 without the helper fails here, cleanly.
+        native = native_module() if n > 1 else None
         self.layout = Layout(
             n,
             env_bytes("DPT_CPU_CHUNK_BYTES", 4 << 20),
@@ -121,7 +123,7 @@ class CpuBackend(Backend):
             raise
         self.views = [own_view if s is self._own else SegmentView(s, self.layout) for s in segs]
         self.mine = own_view
-        self.sync = Lockstep(info, self.views)
+        self.sync = Lockstep(info, self.views, native)
         if n > 1:
             _LIVE.add(self)
             on_uncaught(_tell_peers_uncaught)
@@ -208,12 +210,28 @@ class CpuBackend(Backend):
     def _do_barrier(self, req: Request) -> None:
         self.sync.begin(req)
 
+    def run(self, req: Request) -> None:
+        """Execute ``req``; a small all-reduce straight away (the per-call path that matters
+        most: with the helper, one compiled call does it), the rest through
+        :meth:`Backend.run`'s dispatch."""
+        if req.op == "all_reduce" and self.size > 1:
+            arr = req.array
+            if arr.nbytes > self.small:
+                self._do_all_reduce(req)
+                return
+            par = self._slot_parity
+            self._slot_parity = par ^ 1
+            sync = self.sync
+            if sync.native is None:
+                self._all_reduce_small(req, arr, par, staged=False)
+            elif not sync.begin_reduce(req, arr, par):
+                self._all_reduce_small(req, arr, par, staged=True)
+            return
+        super().run(req)
+
     def _do_all_reduce(self, req: Request) -> None:
         arr = req.array
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
-        if flat.nbytes <= self.small:
-            self._all_reduce_small(req, flat)
-            return
         # Large: a signature-only first post says where each rank's data is, so that ranks
         # whose arrays all live in shared memory can skip staging altogether.
         loc = self._zero_copy_loc(flat) or NO_LOCATION
@@ -224,12 +242,15 @@ class CpuBackend(Backend):
         else:
             self._all_reduce_chunks(req, flat, first_done=True)
 
-    def _all_reduce_small(self, req: Request, flat: Any) -> None:
-        par = self._slot_parity
-        self._slot_parity = par ^ 1
+    def _all_reduce_small(self, req: Request, arr: Any, par: int, staged: bool) -> None:
+        """One phase: every rank stages its (contiguous) ``arr`` in slot ``par``, then reduces
+        every rank's copy in rank order into it (``staged``: the helper did all but the
+        reduction already)."""
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
         own, sources = self._small_slots(par, flat.dtype, flat.size)
-        np.copyto(own, flat)
-        self.sync.begin(req)
+        if not staged:
+            np.copyto(own, flat)
+            self.sync.begin(req)
         assert req.reduce_op is not None
         reduce_in_order(flat, sources, req.reduce_op, self.size)
 

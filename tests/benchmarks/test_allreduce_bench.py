@@ -6,6 +6,7 @@ Functional checks only (table shape, JSON schema, #wrong, errors): never timings
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -150,6 +151,18 @@ def test_timed_data_never_overflows() -> None:
     assert p.returncode == 0, p.stderr
     assert "RuntimeWarning" not in p.stderr and "overflow" not in p.stderr
     assert [r[8] for r in data_rows(p.stdout)] == ["0", "0"]
+
+
+@pytest.mark.timeout(120)
+def test_cpu_py_is_the_cpu_backend_without_its_helper(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    # With --bind-cores: every rank on a core of its own (the run must work the same).
+    p = bench("--nproc", "2", *TINY, "--bind-cores", "--compare", "cpu-py", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert all(r[8] == "0" and r[14] == "0" for r in data_rows(p.stdout))  # #wrong, both
+    res = json.loads(out.read_text())["results"]
+    built = importlib.util.find_spec("collectives.backends._cshm") is not None
+    assert res["cpu"]["native"] is built and res["cpu-py"]["native"] is False
 
 
 @pytest.mark.timeout(120)

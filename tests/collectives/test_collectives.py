@@ -2,10 +2,11 @@
 
 One test body per collective (in ``bodies.py``) runs on every pool: backend ``serial`` (world
 size 1), ``cpu`` at world sizes 1-4, ``cpu`` pools with 4 KiB chunks that force the chunked
-and multi-chunk point-to-point paths at small sizes, ``mpi`` at world sizes 1-4 under
-``mpiexec`` (plus its non-blocking engine, no signature check, and the all-gather check), and
-``threads`` at world sizes 1-4 (rank threads of this process, through ``spawn``:
-``threads_pool.py``).
+and multi-chunk point-to-point paths at small sizes, ``cpu`` pools on the pure-Python path
+(``DPT_CPU_NATIVE=0``; the others run the compiled helper when it is built), ``mpi`` at world
+sizes 1-4 under ``mpiexec`` (plus its non-blocking engine, no signature check, and the
+all-gather check), and ``threads`` at world sizes 1-4 (rank threads of this process, through
+``spawn``: ``threads_pool.py``).
 Bodies check their own result on every rank and raise with the details; a failing rank fails
 the test with every rank's traceback (see ``harness``). Every test has a hard time limit.
 """
@@ -29,6 +30,7 @@ SMALL_CHUNKS = (("DPT_CPU_CHUNK_BYTES", "4096"), ("DPT_CPU_P2P_CHUNK_BYTES", "40
 SERIAL = PoolSpec("serial", 1)
 CPU = [PoolSpec("cpu", n) for n in (1, 2, 3, 4)]
 CHUNKED = [PoolSpec("cpu", n, SMALL_CHUNKS, tag="4k") for n in (2, 3)]
+CPU_PYTHON = [PoolSpec("cpu", n, (("DPT_CPU_NATIVE", "0"),), tag="py") for n in (2, 3)]
 MPI = [PoolSpec("mpi", n) for n in (1, 2, 3, 4)]  # started by mpiexec (harness/mpipool.py)
 NONBLOCKING = (("DPT_MPI_ENGINE", "nonblocking"),)
 MPI_VARIANTS = [
@@ -37,7 +39,7 @@ MPI_VARIANTS = [
     PoolSpec("mpi", 4, (("DPT_MPI_P2P_CHECK_MAX", "2"),), tag="gathercheck"),  # Iallgather
 ]
 THREADS = [PoolSpec("threads", n) for n in (1, 2, 3, 4)]  # threads_pool.py: spawn per call
-ALL = [SERIAL, *CPU, *CHUNKED, *MPI, *MPI_VARIANTS, *THREADS]
+ALL = [SERIAL, *CPU, *CHUNKED, *CPU_PYTHON, *MPI, *MPI_VARIANTS, *THREADS]
 DEFAULT_CHUNKS = [SERIAL, *CPU, *MPI, *THREADS]
 PROCESSES = [s for s in ALL if s.backend != "threads"]
 MULTI = [s for s in ALL if s.world_size > 1]

@@ -1,0 +1,362 @@
+/* The cpu backend's hot path in C: posts, the wait on the peers' posts, signature checks and the
+ * small all-reduce's copy and in-order reduction, all with the GIL released.
+ *
+ * It speaks exactly the protocol of _cpu_sync.py over the layout of _cpu_layout.py (a header
+ * per rank: u32 words [0] post counter, [1] sleeping flag, [2] abort kind; signature slots at
+ * H_SIG), so ranks may mix it with the pure-Python path. It does only the common case: a wait
+ * that is not over within the spin and yield times, a signature mismatch or a peer's abort
+ * returns a code and Python takes over (sleeping on the futex, timeouts, peer death, every
+ * error message). The reduction is elementwise in rank order (rank 0's data, then rank 1's...),
+ * one pass per rank as _reduce.py does with NumPy, so results are bitwise the same.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* _cpu_layout.py's header words and offsets (native_module() refuses a build whose H_SIG,
+ * SIG_SLOT or COMPARED differ from Python's). */
+#define W_CTR 0
+#define W_SLEEP 1
+#define W_ABORT 2
+#define ABORT_CLOSED 3
+#define H_SIG 64
+#define SIG_BYTES 128
+#define SIG_SLOT (SIG_BYTES + 32)
+#define COMPARED (SIG_BYTES - 8) /* all of a record but its magic word */
+
+/* What begin() and phase() return. */
+#define RC_DONE 0       /* finished (begin: reduced too, when asked to) */
+#define RC_WAIT 1       /* posted, but a peer has not posted yet: Python waits */
+#define RC_REDUCE 2     /* synchronized and checked; no C loop for this dtype/op: Python reduces */
+#define RC_MISMATCH 3   /* a peer's signature differs: Python reports it */
+#define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
+
+typedef struct {
+    PyObject_HEAD
+    int n;
+    int rank;
+    uint32_t **hdr;     /* every rank's header words */
+    char **slot[2];     /* every rank's staging slots */
+    char **src;         /* scratch: the sources of one reduction */
+    double spin;        /* seconds of pure spinning, then polls with sched_yield */
+} SyncObject;
+
+static inline double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int reached(uint32_t value, uint32_t target) {
+    return (uint32_t)(value - target) < 0x80000000u;
+}
+
+static void post(SyncObject *s, uint32_t p) {
+    uint32_t *mine = s->hdr[s->rank];
+    __atomic_store_n(&mine[W_CTR], p, __ATOMIC_RELEASE);
+    /* The post must be visible before the sleeping flags are read (a sleeper sets its flag,
+     * then re-reads the counter): a full fence, not only release. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < s->n; q++) {
+        if (q != s->rank && __atomic_load_n(&s->hdr[q][W_SLEEP], __ATOMIC_RELAXED)) {
+            syscall(SYS_futex, &mine[W_CTR], FUTEX_WAKE, 0x7FFFFFFF, NULL, NULL, 0);
+            return;
+        }
+    }
+}
+
+/* Spin, then poll yielding the core until ``limit`` seconds passed; 0 when some peer has not
+ * reached ``target`` by then. */
+static int wait_all(SyncObject *s, uint32_t target, double limit) {
+    double start = 0.0;
+    for (int q = 0; q < s->n; q++) {
+        if (q == s->rank) continue;
+        uint32_t *ctr = &s->hdr[q][W_CTR];
+        unsigned polls = 0;
+        while (!reached(__atomic_load_n(ctr, __ATOMIC_ACQUIRE), target)) {
+            if ((++polls & 63) != 0) {
+                cpu_relax();
+                continue;
+            }
+            double t = now();
+            if (start == 0.0) start = t;
+            double spent = t - start;
+            if (spent >= limit) return 0;
+            if (spent >= s->spin) sched_yield();
+        }
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------- reductions */
+/* One pass per source, as NumPy's ``uf(s0, s1, out=out); uf(out, s2, out=out)...``. */
+#define REDUCER(NAME, T, EXPR)                                                     \
+    static void NAME(char *out_, char **src_, int n, size_t count) {               \
+        T *out = (T *)out_;                                                        \
+        const T *a = (const T *)src_[0], *b = (const T *)src_[1];                  \
+        for (size_t i = 0; i < count; i++) {                                       \
+            T x = a[i], y = b[i];                                                  \
+            out[i] = (EXPR);                                                       \
+        }                                                                          \
+        for (int q = 2; q < n; q++) {                                              \
+            b = (const T *)src_[q];                                                \
+            for (size_t i = 0; i < count; i++) {                                   \
+                T x = out[i], y = b[i];                                            \
+                out[i] = (EXPR);                                                   \
+            }                                                                      \
+        }                                                                          \
+    }
+
+#define SUM(x, y) ((x) + (y))
+#define PROD(x, y) ((x) * (y))
+#define MIN(x, y) ((x) < (y) ? (x) : (y))
+#define MAX(x, y) ((x) > (y) ? (x) : (y))
+
+/* Integers wrap as NumPy's do: add and multiply in the unsigned type of the same width. */
+REDUCER(sum_f32, float, SUM(x, y))
+REDUCER(prod_f32, float, PROD(x, y))
+REDUCER(sum_f64, double, SUM(x, y))
+REDUCER(prod_f64, double, PROD(x, y))
+REDUCER(sum_u8, uint8_t, (uint8_t)SUM(x, y))
+REDUCER(prod_u8, uint8_t, (uint8_t)PROD((unsigned)x, (unsigned)y))
+REDUCER(sum_u32, uint32_t, SUM(x, y))
+REDUCER(prod_u32, uint32_t, PROD(x, y))
+REDUCER(sum_u64, uint64_t, SUM(x, y))
+REDUCER(prod_u64, uint64_t, PROD(x, y))
+REDUCER(min_i8, int8_t, MIN(x, y))
+REDUCER(max_i8, int8_t, MAX(x, y))
+REDUCER(min_i32, int32_t, MIN(x, y))
+REDUCER(max_i32, int32_t, MAX(x, y))
+REDUCER(min_i64, int64_t, MIN(x, y))
+REDUCER(max_i64, int64_t, MAX(x, y))
+REDUCER(min_u8, uint8_t, MIN(x, y))
+REDUCER(max_u8, uint8_t, MAX(x, y))
+REDUCER(min_u32, uint32_t, MIN(x, y))
+REDUCER(max_u32, uint32_t, MAX(x, y))
+REDUCER(min_u64, uint64_t, MIN(x, y))
+REDUCER(max_u64, uint64_t, MAX(x, y))
+
+typedef void (*reducer)(char *, char **, int, size_t);
+
+/* Indexed by the code Python computes (_cpu_sync.py's _native_code): dtype * 4 + op, dtypes in
+ * the order f32 f64 i8 i32 i64 u8 u32 u64 (the
+ * integer dtypes the group reduces), ops sum prod min max. Floats have no C
+ * min/max (NumPy's NaN and signed-zero rules are its own): NULL means Python reduces. Signed
+ * sums and products are the unsigned ones (two's complement wraps the same). */
+static const reducer REDUCERS[32] = {
+    sum_f32, prod_f32, NULL,    NULL,
+    sum_f64, prod_f64, NULL,    NULL,
+    sum_u8,  prod_u8,  min_i8,  max_i8,
+    sum_u32, prod_u32, min_i32, max_i32,
+    sum_u64, prod_u64, min_i64, max_i64,
+    sum_u8,  prod_u8,  min_u8,  max_u8,
+    sum_u32, prod_u32, min_u32, max_u32,
+    sum_u64, prod_u64, min_u64, max_u64,
+};
+
+/* ---------------------------------------------------------------------------- the object */
+static void Sync_dealloc(SyncObject *s) {
+    PyMem_Free(s->hdr);
+    PyMem_Free(s->slot[0]);
+    PyMem_Free(s->slot[1]);
+    PyMem_Free(s->src);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static int addresses(PyObject *seq, int n, void **out, const char *what) {
+    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a tuple of %d addresses", what, n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        out[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(seq, i));
+        if (out[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: address %d is NULL", what, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int Sync_init(SyncObject *s, PyObject *args, PyObject *kwds) {
+    int rank;
+    PyObject *hdrs, *slots0, *slots1;
+    double spin;
+    static char *kwlist[] = {"rank", "headers", "slots0", "slots1", "spin", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOd", kwlist, &rank, &hdrs, &slots0,
+                                     &slots1, &spin))
+        return -1;
+    if (!PyTuple_Check(hdrs) || PyTuple_GET_SIZE(hdrs) < 1) {
+        PyErr_SetString(PyExc_ValueError, "headers: expected a non-empty tuple of addresses");
+        return -1;
+    }
+    int n = (int)PyTuple_GET_SIZE(hdrs);
+    if (rank < 0 || rank >= n) {
+        PyErr_Format(PyExc_ValueError, "rank %d is not in a group of %d", rank, n);
+        return -1;
+    }
+    s->n = n;
+    s->rank = rank;
+    s->spin = spin;
+    s->hdr = PyMem_Calloc(n, sizeof(uint32_t *));
+    s->slot[0] = PyMem_Calloc(n, sizeof(char *));
+    s->slot[1] = PyMem_Calloc(n, sizeof(char *));
+    s->src = PyMem_Calloc(n, sizeof(char *));
+    if (!s->hdr || !s->slot[0] || !s->slot[1] || !s->src) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (addresses(hdrs, n, (void **)s->hdr, "headers") < 0 ||
+        addresses(slots0, n, (void **)s->slot[0], "slots0") < 0 ||
+        addresses(slots1, n, (void **)s->slot[1], "slots1") < 0)
+        return -1;
+    return 0;
+}
+
+/* After every peer posted ``p``: compare signatures, then look for aborts. */
+static int check(SyncObject *s, uint32_t p) {
+    size_t off = H_SIG + (size_t)(p & 1) * SIG_SLOT;
+    const char *mine = (const char *)s->hdr[s->rank] + off;
+    for (int q = 0; q < s->n; q++)
+        if (q != s->rank && memcmp((const char *)s->hdr[q] + off, mine, COMPARED) != 0)
+            return RC_MISMATCH;
+    for (int q = 0; q < s->n; q++) {
+        uint32_t kind = q == s->rank ? 0 : __atomic_load_n(&s->hdr[q][W_ABORT], __ATOMIC_ACQUIRE);
+        if (kind && kind != ABORT_CLOSED) return RC_ABORTED;
+    }
+    return RC_DONE;
+}
+
+/* begin(post, seq, record, array, parity, code, limit) -> rc
+ *
+ * A collective's first post: (with ``array``: copy it into staging slot ``parity``), write
+ * the signature record (``seq`` as 8 little-endian bytes, then ``record``: the rest of the
+ * record and the data location, SIG_SLOT - 8 bytes), post, wait for every peer (at most
+ * ``limit`` seconds), check. With ``array`` and ``code`` >= 0, then reduce every rank's slot
+ * into ``array`` in rank order. Arguments are checked before anything is written. */
+static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "begin() takes 7 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *rec = args[2];
+    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8) {
+        PyErr_Format(PyExc_ValueError, "begin(): the record must be %d bytes", SIG_SLOT - 8);
+        return NULL;
+    }
+    int par = PyLong_AsLong(args[4]) & 1;
+    long code = PyLong_AsLong(args[5]);
+    double limit = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view = {0};
+    int have = args[3] != Py_None;
+    if (have) {
+        if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+    }
+    reducer fn = have && code >= 0 && code < 32 ? REDUCERS[code] : NULL;
+    int rc;
+    const char *recp = PyBytes_AS_STRING(rec);
+    uint32_t target = (uint32_t)p;
+    Py_BEGIN_ALLOW_THREADS
+    if (have && view.len) memcpy(s->slot[par][s->rank], view.buf, (size_t)view.len);
+    char *sig = (char *)s->hdr[s->rank] + H_SIG + (size_t)(target & 1) * SIG_SLOT;
+    for (int i = 0; i < 8; i++) sig[i] = (char)((seq >> (8 * i)) & 0xFF);
+    memcpy(sig + 8, recp, SIG_SLOT - 8);
+    post(s, target);
+    if (!wait_all(s, target, limit)) {
+        rc = RC_WAIT;
+    } else {
+        rc = check(s, target);
+        if (rc == RC_DONE && have) {
+            if (fn == NULL) {
+                rc = RC_REDUCE;
+            } else if (view.len) {
+                for (int q = 0; q < s->n; q++) s->src[q] = s->slot[par][q];
+                fn((char *)view.buf, s->src, s->n, (size_t)view.len / (size_t)view.itemsize);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (have) PyBuffer_Release(&view);
+    return PyLong_FromLong(rc);
+}
+
+/* phase(post, limit) -> rc: a plain post, then the wait for every peer (RC_DONE, or RC_WAIT
+ * after ``limit`` seconds). */
+static PyObject *Sync_phase(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "phase() takes 2 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    double limit = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    post(s, (uint32_t)p);
+    ok = wait_all(s, (uint32_t)p, limit);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(ok ? RC_DONE : RC_WAIT);
+}
+
+static PyMethodDef Sync_methods[] = {
+    {"begin", (PyCFunction)(void (*)(void))Sync_begin, METH_FASTCALL,
+     "begin(post, seq, record, array, parity, code, limit) -> rc: a collective's first post."},
+    {"phase", (PyCFunction)(void (*)(void))Sync_phase, METH_FASTCALL,
+     "phase(post, limit) -> rc: post, then wait for all."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SyncType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collectives.backends._cshm.Sync",
+    .tp_basicsize = sizeof(SyncObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Posts and waits of one rank over its group's segment headers.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Sync_init,
+    .tp_dealloc = (destructor)Sync_dealloc,
+    .tp_methods = Sync_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_cshm",
+    .m_doc = "The cpu backend's posts, waits and small all-reduce in C (see _cpu_sync.py).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__cshm(void) {
+    if (PyType_Ready(&SyncType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&SyncType);
+    if (PyModule_AddObject(m, "Sync", (PyObject *)&SyncType) < 0) {
+        Py_DECREF(&SyncType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "H_SIG", H_SIG);
+    PyModule_AddIntConstant(m, "SIG_SLOT", SIG_SLOT);
+    PyModule_AddIntConstant(m, "COMPARED", COMPARED);
+    return m;
+}

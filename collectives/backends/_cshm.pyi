@@ -1,0 +1,31 @@
+"""Types of the cpu backend's compiled helper (``_cshm.c``; used by ``_cpu_sync``)."""
+
+from typing import Any
+
+H_SIG: int
+SIG_SLOT: int
+COMPARED: int
+
+class Sync:
+    """Posts and waits of one rank over its group's segment headers."""
+
+    def __init__(
+        self,
+        rank: int,
+        headers: tuple[int, ...],
+        slots0: tuple[int, ...],
+        slots1: tuple[int, ...],
+        spin: float,
+    ) -> None: ...
+    def begin(
+        self,
+        post: int,
+        seq: int,
+        record: bytes,
+        array: Any,
+        parity: int,
+        code: int,
+        limit: float,
+        /,
+    ) -> int: ...
+    def phase(self, post: int, limit: float, /) -> int: ...

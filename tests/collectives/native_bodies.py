@@ -1,0 +1,86 @@
+"""Bodies of ``test_cpu_native.py``: the cpu backend's compiled helper against its pure-Python
+path, in the ranks of a :class:`~tests.collectives.harness.RankPool`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import collectives as C
+
+# Every dtype and op the group reduces, through each of the helper's outcomes: reduced in C
+# (sums and products, integer min/max), copied and synchronized in C but reduced by NumPy
+# (float min/max, float16).
+CASES = [
+    (dtype, op)
+    for dtype in ("float32", "float64", "float16", "int8", "int32", "int64", "uint8", "uint32")
+    + ("uint64",)
+    for op in ("SUM", "PROD", "MIN", "MAX", "AVG")
+    if op != "AVG" or dtype.startswith("float")
+]
+
+
+_UFUNCS: dict[str, Any] = {"SUM": np.add, "AVG": np.add, "PROD": np.multiply}
+_UFUNCS.update(MIN=np.minimum, MAX=np.maximum)
+
+
+def uses_native() -> bool:
+    """Whether this rank's cpu backend runs the compiled helper."""
+    backend: Any = C.get_default_group().backend
+    return backend.sync.native is not None
+
+
+def wild(seed: int, rank: int, size: int, dtype: str) -> np.ndarray[Any, Any]:
+    """Rank ``rank``'s input: values over the dtype's whole range (integer sums and products
+    wrap, float products overflow to inf), with -0.0, inf and NaN among the floats."""
+    rng = np.random.default_rng([seed, rank, size])
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        v = rng.standard_normal(size) * 10.0 ** rng.integers(-3, 6, size)
+        v = v.astype(dt)
+        for i, special in enumerate((-0.0, np.inf, np.nan, 0.0)):
+            if (rank + i) < size:
+                v[(rank + i * 5) % size] = special
+        return v
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, size, dtype=dt, endpoint=True)
+
+
+def same_bits(seed: int, sizes: list[int]) -> dict[str, Any]:
+    """Every case of :data:`CASES` at every size, all_reduced twice: through the compiled
+    helper, then (every rank switched over between the calls) in pure Python. Both must equal
+    the in-order NumPy reduction bit for bit (NaNs where it has NaNs)."""
+    backend: Any = C.get_default_group().backend
+    sync = backend.sync
+    native = sync.native
+    rank, n = C.get_rank(), C.get_world_size()
+    checked = 0
+    try:
+        for dtype, op in CASES:
+            for size in sizes:
+                inputs = [wild(seed, r, size, dtype) for r in range(n)]
+                ref = inputs[0].copy()
+                uf = _UFUNCS[op]
+                with np.errstate(all="ignore"):
+                    for a in inputs[1:]:
+                        uf(ref, a, out=ref)
+                    if op == "AVG":
+                        np.true_divide(ref, n, out=ref, casting="unsafe")
+                for path, engine in (("compiled", native), ("python", None)):
+                    sync.native = engine
+                    x = inputs[rank].copy()
+                    with np.errstate(all="ignore"):
+                        C.all_reduce(x, op)
+                    if x.tobytes() != ref.tobytes():
+                        bad = np.flatnonzero(x.view(np.uint8) != ref.view(np.uint8))
+                        raise AssertionError(
+                            f"[rank {rank}] {path} all_reduce {op} {dtype} size {size}: "
+                            f"{bad.size} bytes differ from NumPy's in-order reduction; first "
+                            f"element {bad[0] // x.itemsize}: got {x[bad[0] // x.itemsize]!r}, "
+                            f"expected {ref[bad[0] // x.itemsize]!r}"
+                        )
+                    checked += size
+    finally:
+        sync.native = native
+    return {"native": native is not None, "checked": checked}

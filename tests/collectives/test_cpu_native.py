@@ -1,0 +1,92 @@
+"""The cpu backend's compiled helper (``collectives/backends/_cshm.c``) and its pure-Python
+path: ``DPT_CPU_NATIVE`` picks one, both give bitwise the same results, ranks may mix them,
+and a mismatch fails on every rank with the same message either way.
+
+The rest of the suite runs the cpu pools on the default path (the helper, when built) and
+``test_collectives.py``'s ``-py`` pools with ``DPT_CPU_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import collectives.backends
+from collectives.backends import _cpu_sync
+from tests.collectives import expect
+from tests.collectives.expect import results
+from tests.collectives.harness import PoolCache, PoolSpec, RankPool
+
+pytestmark = pytest.mark.timeout(120)
+
+BUILT = importlib.util.find_spec("collectives.backends._cshm") is not None
+needs_helper = pytest.mark.skipif(
+    not BUILT, reason="the compiled helper is not built (pip install -e . with a C compiler)"
+)
+PYTHON = (("DPT_CPU_NATIVE", "0"),)
+
+
+# ---------------------------------------------------------------------------- the switch
+def test_env_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPT_CPU_NATIVE", "0")
+    assert _cpu_sync.native_module() is None
+    monkeypatch.setenv("DPT_CPU_NATIVE", "yes")
+    with pytest.raises(ValueError, match=r"DPT_CPU_NATIVE must be 0 .* got 'yes'"):
+        _cpu_sync.native_module()
+    monkeypatch.delenv("DPT_CPU_NATIVE")
+    assert (_cpu_sync.native_module() is not None) == BUILT
+    # Not built (an import that fails): unset falls back; 1 says what is missing.
+    monkeypatch.setitem(sys.modules, "collectives.backends._cshm", None)
+    monkeypatch.delattr(collectives.backends, "_cshm", raising=False)
+    assert _cpu_sync.native_module() is None
+    monkeypatch.setenv("DPT_CPU_NATIVE", "1")
+    with pytest.raises(RuntimeError, match="compiled helper is not built"):
+        _cpu_sync.native_module()
+
+
+@pytest.mark.parametrize("env,native", [((), BUILT), (PYTHON, False)], ids=["default", "py"])
+def test_ranks_run_the_path_asked_for(pool_cache: PoolCache, env: Any, native: bool) -> None:
+    pool = pool_cache.get(PoolSpec("cpu", 2, env, tag="py" if env else ""))
+    assert pool.run("native_bodies:uses_native") == [native, native]
+
+
+# ---------------------------------------------------------------------------- same results
+@needs_helper
+@pytest.mark.parametrize("n", [2, 3])
+def test_compiled_and_python_results_are_bitwise_equal(
+    pool_cache: PoolCache, seed: int, n: int
+) -> None:
+    pool = pool_cache.get(PoolSpec("cpu", n))
+    kw = {"seed": seed, "sizes": [0, 1, 7, 1000, 16_384]}
+    got = pool.run("native_bodies:same_bits", kw)
+    assert all(g["native"] for g in got), got
+    assert {g["checked"] for g in got} == {got[0]["checked"]} and got[0]["checked"] > 0
+
+
+@needs_helper
+def test_ranks_may_mix_the_paths(pools: list[RankPool], seed: int, tmp_path: Path) -> None:
+    """Rank 1 in pure Python, ranks 0 and 2 compiled: the same protocol, so every collective
+    works, and a mismatch still fails on every rank naming both sides."""
+    mixed = [RankPool.launch("cpu", 3, timeout=60, rank_env={1: dict(PYTHON)}) for _ in "ab"]
+    pools.extend(mixed)
+    pool = mixed[0]
+    assert pool.run("native_bodies:uses_native") == [True, False, True]
+    expect.all_reduce(pool, seed, "float32", "SUM", [0, 7, 4097, 70_001])
+    expect.all_reduce(pool, seed, "int32", "MAX", [1, 1000])
+    expect.barrier(pool, str(tmp_path))
+    expect.broadcast(pool, seed, "float64", [7, 300_007])
+    got = results(mixed[1].call("bodies:mismatch", {"kind": "reduce_op"}, deadline=30, grace=None))
+    expect.mismatched(got, "reduce_op", 10.0)
+
+
+@pytest.mark.parametrize("kind", ["op", "shape", "large_shape"])
+def test_mismatch_fails_every_rank_in_python(pools: list[RankPool], kind: str) -> None:
+    pool = RankPool.launch("cpu", 3, timeout=60, env=dict(PYTHON))
+    pools.append(pool)
+    got = results(pool.call("bodies:mismatch", {"kind": kind}, deadline=30, grace=None))
+    for after in expect.mismatched(got, kind, 10.0):
+        assert "unusable" in after["message"], after
