@@ -259,6 +259,7 @@ class RemoteKind:
             "linear": _fused.linear,
             "linear_grad": _fused.linear_grad,
             "cross_entropy": _fused.cross_entropy,
+            "relu_grad": _fused.relu_grad,
         }
     )
 

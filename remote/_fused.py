@@ -7,8 +7,9 @@ parameter, the function a local step runs, so the result is the same bits.
 
 In the same way tensorlib's ``Linear`` sends its forward as one LINEAR record (not
 transpose, matmul, add) and ``CrossEntropy`` its forward and backward as one record each
-(not ~17 and ~10): the server runs ``linear_forward``, ``cross_entropy_forward`` and
-``cross_entropy_grad``, the functions the local ops run. These return None for what they do
+(not ~17 and ~10), and ``Relu`` its backward as one record (not greater, multiply): the
+server runs ``linear_forward``, ``cross_entropy_forward``, ``cross_entropy_grad`` and
+``relu_backward``, the functions the local ops run. These return None for what they do
 not cover (other kinds or devices, dtypes whose results they do not infer), and tensorlib
 then runs its own op-by-op code, which gives the same bits or the usual error.
 """
@@ -27,11 +28,12 @@ from ._wire import ADAM, LOSS_REDUCTIONS, OP_CODES, Ids
 if TYPE_CHECKING:
     from ._session import Session
 
-__all__ = ["adam", "cross_entropy", "cross_entropy_grad", "linear", "linear_grad"]
+__all__ = ["adam", "cross_entropy", "cross_entropy_grad", "linear", "linear_grad", "relu_grad"]
 
 _LINEAR, _LINEAR_GRAD = OP_CODES["linear"], OP_CODES["linear_grad"]
 _CROSS_ENTROPY = OP_CODES["cross_entropy"]
 _CROSS_ENTROPY_GRAD = OP_CODES["cross_entropy_grad"]
+_RELU_GRAD = OP_CODES["relu_grad"]
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
 # Parameters per ADAM record: a TUPLE holds at most 0xFFFF values.
@@ -172,3 +174,14 @@ def cross_entropy_grad(
     valid, safe_t = cross_entropy_targets(probs._sess.xp, target, ignore_index)
     count = valid.sum() if reduction == "mean" else None
     return _ce_grad(probs.copy(), safe_t, valid, count, g, smoothing)
+
+
+def relu_grad(g: Any, out: Any) -> RemoteArray | None:
+    """ReLU's input gradient ``g * (out > 0)`` as one RELU_GRAD record (two ops otherwise),
+    or None unless both are arrays of one session with one floating dtype and shape."""
+    if type(g) is not RemoteArray or type(out) is not RemoteArray:
+        return None
+    sess, dt = g._sess, g.dtype
+    if out._sess is not sess or out.dtype != dt or dt.kind != "f" or out.shape != g.shape:
+        return None
+    return sess.issue_new(_RELU_GRAD, (g, out), g.shape, dt)

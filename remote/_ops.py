@@ -18,6 +18,7 @@ from tensorlib.functional import (
     cross_entropy_targets,
     linear_backward,
     linear_forward,
+    relu_backward,
 )
 from tensorlib.optim import adam_update
 
@@ -85,9 +86,9 @@ def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Han
 
 
 def _fused_nn(set_: Callable[[str, Handler], None], xp: Any) -> None:
-    """LINEAR, LINEAR_GRAD, CROSS_ENTROPY and CROSS_ENTROPY_GRAD: the functions tensorlib's
-    Linear and CrossEntropy run, on the same arrays (the same bits). Wrong kinds of values
-    raise here, so the record's results are poisoned, as any op's that fails."""
+    """LINEAR, LINEAR_GRAD, CROSS_ENTROPY, CROSS_ENTROPY_GRAD and RELU_GRAD: the functions
+    tensorlib's Linear, CrossEntropy and Relu run, on the same arrays (the same bits). Wrong
+    kinds of values raise here, so the record's results are poisoned, as any op's that fails."""
     array_type = xp.ndarray
 
     def arrays(name: str, *xs: Any) -> None:
@@ -128,10 +129,16 @@ def _fused_nn(set_: Callable[[str, Handler], None], xp: Any) -> None:
         count = valid.sum() if red == "mean" else None
         return cross_entropy_grad(probs.copy(), safe_t, valid, count, g, smoothing)
 
+    def relu_grad(a: Sequence[Any], out: Any) -> Any:
+        g, y = a
+        arrays("relu_grad", g, y)
+        return relu_backward(g, y)
+
     set_("linear", linear)
     set_("linear_grad", linear_grad)
     set_("cross_entropy", cross_entropy)
     set_("cross_entropy_grad", cross_entropy_grad_)
+    set_("relu_grad", relu_grad)
 
 
 def _binary(f: Any) -> Handler:

@@ -64,7 +64,8 @@ and three booleans: which of ``gx, gw, gb`` to make, as three results; one not m
 stored), CROSS_ENTROPY (``logits,
 target, INT reduction`` (0 none, 1 sum, 2 mean) ``, INT ignore_index, FLOAT smoothing``;
 two results, the loss and the probabilities ``e / sum_e``), CROSS_ENTROPY_GRAD (``probs,
-target, g, INT ignore_index, FLOAT smoothing, INT reduction``: the logits' gradient).
+target, g, INT ignore_index, FLOAT smoothing, INT reduction``: the logits' gradient),
+RELU_GRAD (``g, out``: ``tensorlib.functional.relu_backward``, ReLU's input gradient).
 
 Values: a u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id),
 TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), IDS (u32 n + n
@@ -127,7 +128,7 @@ OPS: tuple[str, ...] = (
     "reshape", "transpose", "broadcast_to", "expand_dims", "squeeze", "swapaxes", "getitem",
     "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
     # fused ops (one record for what tensorlib would issue as many ops)
-    "adam", "linear", "linear_grad", "cross_entropy", "cross_entropy_grad",
+    "adam", "linear", "linear_grad", "cross_entropy", "cross_entropy_grad", "relu_grad",
     # collectives among sessions of one server (remote._collective)
     "collective",
 )  # fmt: skip

@@ -275,6 +275,11 @@ class Sigmoid(Function):
         return g * (out * (1 - out))
 
 
+def relu_backward(g: Any, out: Any) -> Any:
+    """ReLU's input gradient from its output (arrays in and out, no autodiff)."""
+    return g * (out > 0)
+
+
 class Relu(Function):
     __slots__ = ("out",)
 
@@ -283,7 +288,13 @@ class Relu(Function):
         return out
 
     def backward(self, g: Any) -> Any:
-        return g * (self.out > 0)
+        if type(g) is not np.ndarray:  # a kind may run it as one op (None: it does not)
+            fused = _device_kinds.fused_op(g, "relu_grad")
+            if fused is not None:
+                grad = fused(g, self.out)
+                if grad is not None:
+                    return grad
+        return relu_backward(g, self.out)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)

@@ -12,14 +12,16 @@ from . import _autocast
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_nn as _nn
+from ._ops_elementwise import relu_backward
 from ._ops_linalg import linear_backward, linear_forward
 from ._ops_nn import cross_entropy_forward, cross_entropy_grad, cross_entropy_targets
 from ._random import Generator, default_generator
 from ._tensor import Tensor
 
-# linear_forward, linear_backward and cross_entropy_*: the array functions (NumPy or CuPy
-# arrays in and out, no autodiff) that Linear and cross_entropy run, public so that a device
-# kind fusing those ops (remote's server) runs the very same code and gets the same bits.
+# linear_forward, linear_backward, relu_backward and cross_entropy_*: the array functions
+# (NumPy or CuPy arrays in and out, no autodiff) that Linear, relu and cross_entropy run,
+# public so that a device kind fusing those ops (remote's server) runs the very same code
+# and gets the same bits.
 __all__ = [
     "check_indices",
     "cross_entropy",
@@ -36,6 +38,7 @@ __all__ = [
     "log_softmax",
     "mse_loss",
     "relu",
+    "relu_backward",
     "sigmoid",
     "softmax",
     "tanh",

@@ -70,6 +70,28 @@ def test_remote_linear_and_cross_entropy_are_one_record_each_way_with_the_local_
     assert records[2] <= 5
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_remote_relu_backward_is_one_record_with_the_local_bits(
+    rdev: tl.Device, dtype: str
+) -> None:
+    def run(dev: Any) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng(9)
+        host = rng.standard_normal((6, 5)).astype(DTYPES[dtype])
+        host[0, :3] = (0.0, -0.0, np.nan)  # ReLU's edge cases: no gradient through them
+        x = tl.tensor(host, device=dev, requires_grad=True)
+        g = tl.tensor(rng.standard_normal((6, 5)).astype(DTYPES[dtype]), device=dev)
+        y = F.relu(x)
+        n0 = _ops(dev)
+        y.backward(g)
+        n1 = _ops(dev)
+        assert x.grad is not None
+        return x.grad.numpy(), n1 - n0
+
+    (want, _), (got, records) = run("cpu"), run(rdev)
+    assert want.dtype == got.dtype and np.array_equal(want, got)
+    assert records == 1  # RELU_GRAD, not greater and multiply
+
+
 def test_a_batched_linear_without_bias_or_weight_grad_gives_the_local_bits(
     rdev: tl.Device,
 ) -> None:
@@ -113,6 +135,7 @@ def _fused_frame() -> bytes:
         _record("linear_grad", 11, _ref(10), _ref(1), _ref(2), True, True, True),
         _record("cross_entropy", 20, _ref(10), _ref(4), 2, -100, 0.0),
         _record("cross_entropy_grad", 30, _ref(21), _ref(4), _ref(20), -100, 0.0, 2),
+        _record("relu_grad", 40, _ref(10), _ref(10)),
     ]
     sync = _wire.record_head(_wire.SYNC, 0, 1, 0)
     return _records(*ups, *recs, sync, waits=1)
@@ -130,6 +153,8 @@ def test_fused_nn_records_malformed_or_fuzzed_fail_or_close_only_their_own_sessi
         _record("cross_entropy", 5, _ref(1), _ref(1), 7, -100, 0.0),  # no reduction 7
         _record("cross_entropy", 5, _ref(1)),  # too few values
         _record("cross_entropy_grad", 5, (1, 2), _ref(1), _ref(1), -100, 0.0, 2),
+        _record("relu_grad", 5, 1.0, _ref(1)),  # a number for an array
+        _record("relu_grad", 5, _ref(1)),  # too few values
     ]
     for rec in hostile:  # each an op error in the reply; the connection stays open
         s, seal = _handshake(local_server)
