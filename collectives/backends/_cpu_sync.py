@@ -14,11 +14,11 @@ abort flag with a reason; waiting peers check abort flags and whether the peers 
 are still alive, so a dead or failed rank makes every other rank fail within a fraction of a
 second.
 
-The common case of those steps (a collective's first post and its checks, a plain phase, and
-the small all-reduce's copy and reduction) runs in a compiled helper when one is built
-(``_cshm.c``, the same protocol, with the GIL released); it hands anything unusual (a wait
-longer than the spin and yield phases, a mismatch, a peer's abort) back to the Python code
-here. ``DPT_CPU_NATIVE=0`` keeps everything in Python; ``1`` requires the helper.
+The common case of those steps (a collective's first post and its checks, a plain phase, the
+small all-reduce's copy and reduction, a round of the large one) runs in a compiled helper
+when one is built (``_cshm.c``, the same protocol, with the GIL released); it hands anything
+unusual (a wait longer than the spin and yield phases, a mismatch, a peer's abort) back to the
+Python code here. ``DPT_CPU_NATIVE=0`` keeps everything in Python; ``1`` requires the helper.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ _NATIVE_OPS[ReduceOp.MAX] = 3
 _COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
 _NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
 _U64 = 0xFFFFFFFFFFFFFFFF
+# How long a compiled round sleeps on the futex (GIL released) before Python waits on: the
+# delay in noticing a dead peer or the deadline (a peer's abort flag wakes it at once).
+_CHUNK_SLEEP = 0.05
 
 
 def native_module() -> Any:
@@ -216,7 +219,7 @@ class Lockstep:
         p = self._posts + 1
         avg = req.reduce_op is ReduceOp.AVG
         # It raises (a bad argument) before it posts anything; then the count stays.
-        rc = self.native.chunk(p, chunk, par, code, avg, self._limit(req))
+        rc = self.native.chunk(p, chunk, par, code, avg, self._limit(req), _CHUNK_SLEEP)
         if rc == RC_DONE:
             self._posts = p + 1
             return 2

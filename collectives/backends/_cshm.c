@@ -1,5 +1,6 @@
-/* The cpu backend's hot path in C: posts, the wait on the peers' posts, signature checks and the
- * small all-reduce's copy and in-order reduction, all with the GIL released.
+/* The cpu backend's hot path in C: posts, the wait on the peers' posts, signature checks, the
+ * small all-reduce's copy and in-order reduction, and the large all-reduce's rounds (staged and
+ * zero copy), all with the GIL released.
  *
  * It speaks exactly the protocol of _cpu_sync.py over the layout of _cpu_layout.py (a header
  * per rank: u32 words [0] post counter, [1] sleeping flag, [2] abort kind; signature slots at
@@ -85,9 +86,23 @@ static void post(SyncObject *s, uint32_t p) {
     }
 }
 
-/* Spin, then poll yielding the core until ``limit`` seconds passed; 0 when some peer has not
- * reached ``target`` by then. */
-static int wait_all(SyncObject *s, uint32_t target, double limit) {
+/* Sleep on ``ctr`` (a peer's post counter) for at most 1 ms unless it reached ``target``, with
+ * this rank's sleeping flag up (as _cpu_sync.py's wait_word: a post wakes sleepers). */
+static void nap(SyncObject *s, uint32_t *ctr, uint32_t target) {
+    uint32_t *flag = &s->hdr[s->rank][W_SLEEP];
+    __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
+    uint32_t v = __atomic_load_n(ctr, __ATOMIC_SEQ_CST);
+    if (!reached(v, target)) {
+        struct timespec ts = {0, 1000000};
+        syscall(SYS_futex, ctr, FUTEX_WAIT, v, &ts, NULL, 0);
+    }
+    __atomic_store_n(flag, 0, __ATOMIC_RELEASE);
+}
+
+/* Spin, then poll yielding the core until ``limit`` seconds passed, then (``sleep`` > 0) sleep
+ * on the futex until ``limit + sleep``; 0 when some peer has not reached ``target`` by then,
+ * or a peer set its abort flag while this slept (Python finds out why). */
+static int wait_all_sleeping(SyncObject *s, uint32_t target, double limit, double sleep) {
     double start = 0.0;
     for (int q = 0; q < s->n; q++) {
         if (q == s->rank) continue;
@@ -101,11 +116,20 @@ static int wait_all(SyncObject *s, uint32_t target, double limit) {
             double t = now();
             if (start == 0.0) start = t;
             double spent = t - start;
-            if (spent >= limit) return 0;
-            if (spent >= s->spin) sched_yield();
+            if (spent >= limit) {
+                if (spent >= limit + sleep) return 0;
+                if (__atomic_load_n(&s->hdr[q][W_ABORT], __ATOMIC_ACQUIRE)) return 0;
+                nap(s, ctr, target);
+            } else if (spent >= s->spin) {
+                sched_yield();
+            }
         }
     }
     return 1;
+}
+
+static int wait_all(SyncObject *s, uint32_t target, double limit) {
+    return wait_all_sleeping(s, target, limit, 0.0);
 }
 
 /* ---------------------------------------------------------------------------- reductions */
@@ -366,17 +390,19 @@ static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *o
     }
 }
 
-/* chunk(post, array, parity, code, avg, limit) -> rc
+/* chunk(post, array, parity, code, avg, limit, sleep) -> rc
  *
  * One round of the large all-reduce (cpu.py's _all_reduce_chunks) for the C-contiguous chunk
  * ``array``: copy the peers' slices into staging slot ``parity``, post ``post``, wait, reduce
  * this rank's slice from every rank's slot (its own straight from ``array``) into its result
  * area and into ``array``, post ``post + 1``, wait, copy the peers' reduced slices into
- * ``array``. Slices as cpu.py's _slices. A wait not over within ``limit`` seconds returns
- * RC_WAIT (first post only) or RC_WAIT2 (both out, reduced); Python does the rest. */
+ * ``array``. Slices as cpu.py's _slices. A wait not over within ``limit`` seconds of spinning
+ * and yielding and ``sleep`` seconds asleep on the futex (the GIL stays released: a busy main
+ * thread does not delay the wake-up) returns RC_WAIT (first post only) or RC_WAIT2 (both
+ * out, reduced); Python does the rest. */
 static PyObject *Sync_chunk(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "chunk() takes 6 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "chunk() takes 7 arguments");
         return NULL;
     }
     unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
@@ -384,6 +410,7 @@ static PyObject *Sync_chunk(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     long code = PyLong_AsLong(args[3]);
     int avg = PyObject_IsTrue(args[4]);
     double limit = PyFloat_AsDouble(args[5]);
+    double sleep = PyFloat_AsDouble(args[6]);
     if (PyErr_Occurred()) return NULL;
     if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (avg && code != 0 && code != 4)) {
         PyErr_Format(PyExc_ValueError, "chunk(): no compiled reduction for code %ld", code);
@@ -405,7 +432,7 @@ static PyObject *Sync_chunk(SyncObject *s, PyObject *const *args, Py_ssize_t nar
         if (q != me && hi > lo) copy(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
     }
     post(s, target);
-    if (!wait_all(s, target, limit)) {
+    if (!wait_all_sleeping(s, target, limit, sleep)) {
         rc = RC_WAIT;
     } else {
         size_t lo = m * me / n, hi = m * (me + 1) / n;
@@ -418,7 +445,7 @@ static PyObject *Sync_chunk(SyncObject *s, PyObject *const *args, Py_ssize_t nar
             if (sp != src) PyMem_RawFree(sp);
         }
         post(s, target + 1);
-        if (!wait_all(s, target + 1, limit)) {
+        if (!wait_all_sleeping(s, target + 1, limit, sleep)) {
             rc = RC_WAIT2;
         } else {
             for (int q = 0; q < n; q++) {
@@ -487,7 +514,7 @@ static PyMethodDef Sync_methods[] = {
     {"phase", (PyCFunction)(void (*)(void))Sync_phase, METH_FASTCALL,
      "phase(post, limit) -> rc: post, then wait for all."},
     {"chunk", (PyCFunction)(void (*)(void))Sync_chunk, METH_FASTCALL,
-     "chunk(post, array, parity, code, avg, limit) -> rc: one round of the large all-reduce."},
+     "chunk(post, array, parity, code, avg, limit, sleep) -> rc: one round of the large all-reduce."},
     {"zero_copy", (PyCFunction)(void (*)(void))Sync_zero_copy, METH_FASTCALL,
      "zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block): the zero-copy slice's work."},
     {NULL, NULL, 0, NULL},

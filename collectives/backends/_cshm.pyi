@@ -31,7 +31,15 @@ class Sync:
     ) -> int: ...
     def phase(self, post: int, limit: float, /) -> int: ...
     def chunk(
-        self, post: int, array: Any, parity: int, code: int, avg: bool, limit: float, /
+        self,
+        post: int,
+        array: Any,
+        parity: int,
+        code: int,
+        avg: bool,
+        limit: float,
+        sleep: float,
+        /,
     ) -> int: ...
     def zero_copy(
         self,

@@ -12,8 +12,10 @@ Design (after DeepSpeed's SHM all-reduce):
 * Large all-reduce: per chunk, each rank copies its chunk into its slot, posts, reduces *its own
   slice* of the chunk from every rank's slot into its result area (fixed order 0..n-1), posts,
   then copies every rank's reduced slice into its output. Every element is reduced exactly once,
-  in rank order, so results are bitwise identical on every rank and from run to run.
-  Small messages use one phase: every rank reduces everything in the same fixed order.
+  in rank order, so results are bitwise identical on every rank and from run to run. With the
+  compiled helper a round is one C call (``Lockstep.reduce_chunk``), and short rounds when
+  every rank has it (see ``_COMPILED``). Small messages use one phase: every rank reduces
+  everything in the same fixed order.
 * Zero copy: arrays from :meth:`ProcessGroup.alloc` live in shared memory that every rank maps;
   when all ranks pass such arrays, each rank reduces its slice straight from the peers' arrays
   and writes the result into all of them (two phases, no staging copies).
@@ -61,11 +63,11 @@ __all__ = ["CpuBackend"]
 
 _UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
-# A large all-reduce's location flag bit: this rank runs the compiled rounds. When every rank
-# does, rounds are _COMPILED_ROUND bytes (their data stays in cache; a compiled phase is cheap,
-# a Python one is not), else DPT_CPU_CHUNK_BYTES.
+# A large all-reduce's location flag bit: this rank runs the compiled rounds. If all do, one
+# over 1 MiB goes in rounds of _COMPILED_ROUND bytes (data stays in cache; a compiled phase is
+# cheap, a Python one is not; up to 1 MiB one round was faster), else of DPT_CPU_CHUNK_BYTES.
 _COMPILED = 2
-_COMPILED_ROUND = 256 << 10
+_COMPILED_ROUND, _SHORT_ABOVE = 256 << 10, 1 << 20
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -252,7 +254,7 @@ class CpuBackend(Backend):
         if all(entry[0] & 1 for entry in locs):
             self._all_reduce_zero_copy(req, flat, locs, code)
         else:
-            short = all(entry[0] & _COMPILED for entry in locs)
+            short = flat.nbytes > _SHORT_ABOVE and all(e[0] & _COMPILED for e in locs)
             per = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
             self._all_reduce_chunks(req, flat, first_done=True, code=code, per_bytes=per)
 
