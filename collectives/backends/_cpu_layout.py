@@ -130,6 +130,7 @@ class SegmentView:
         self.sent_addr = seg.address + lay.sent
         self.acked_addr = seg.address + lay.acked
         self.slot_addrs = (seg.address + lay.slots[0], seg.address + lay.slots[1])
+        self.res_addr = seg.address + lay.res
         u8 = seg.u8
         chunk, p2p = lay.chunk, lay.p2p_chunk
         self.slots = [

@@ -14,11 +14,11 @@ abort flag with a reason; waiting peers check abort flags and whether the peers 
 are still alive, so a dead or failed rank makes every other rank fail within a fraction of a
 second.
 
-The common case of those steps (a collective's first post and its checks, a plain phase, and
-the small all-reduce's copy and reduction) runs in a compiled helper when one is built
-(``_cshm.c``, the same protocol, with the GIL released); it hands anything unusual (a wait
-longer than the spin and yield phases, a mismatch, a peer's abort) back to the Python code
-here. ``DPT_CPU_NATIVE=0`` keeps everything in Python; ``1`` requires the helper.
+The common case of those steps (a collective's first post and its checks, a plain phase, the
+small all-reduce's copy and reduction, a round of the large one) runs in a compiled helper
+when one is built (``_cshm.c``, the same protocol, with the GIL released); it hands anything
+unusual (a wait longer than the spin and yield phases, a mismatch, a peer's abort) back to the
+Python code here. ``DPT_CPU_NATIVE=0`` keeps everything in Python; ``1`` requires the helper.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ __all__ = ["Lockstep", "native_module"]
 _NATIVE_ENV = "DPT_CPU_NATIVE"
 # What _cshm's begin() and phase() return (see _cshm.c).
 RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
+RC_WAIT2 = 5
 # The compiled reductions: dtype index * 4 + op index (the table in _cshm.c).
 _NATIVE_DTYPES = ["float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "uint64"]
 _NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2}
@@ -65,6 +66,9 @@ _NATIVE_OPS[ReduceOp.MAX] = 3
 _COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
 _NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
 _U64 = 0xFFFFFFFFFFFFFFFF
+# How long a compiled round sleeps on the futex (GIL released) before Python waits on: the
+# delay in noticing a dead peer or the deadline (a peer's abort flag wakes it at once).
+_CHUNK_SLEEP = 0.05
 
 
 def native_module() -> Any:
@@ -141,6 +145,7 @@ class Lockstep:
                 tuple(v.ctr_addr for v in views),
                 tuple(v.slot_addrs[0] for v in views),
                 tuple(v.slot_addrs[1] for v in views),
+                tuple(v.res_addr for v in views),
                 self.spin,
             )
 
@@ -198,6 +203,34 @@ class Lockstep:
         if rc != RC_REDUCE:
             self._settle(req, post, hit[1])
         return False
+
+    def chunk_code(self, sig: Signature) -> int:
+        """The compiled reduction :meth:`reduce_chunk` and the zero-copy helper can run for
+        ``sig`` (AVG only of floats), or -1: NumPy reduces. Only with :attr:`native`."""
+        _, code = self._record(sig)
+        avg = sig.reduce_op is ReduceOp.AVG
+        return -1 if avg and code not in (0, 4) else code
+
+    def reduce_chunk(self, req: Request, chunk: Any, par: int, code: int) -> int:
+        """One round of the large all-reduce, compiled (``_cshm`` chunk(): two posts; see
+        ``cpu.py``'s ``_all_reduce_chunks``). Returns what is left to the caller: 2 nothing,
+        1 the copy of the peers' reduced slices (after this waited for the second post in
+        Python), 0 everything after the first post's wait (done here, in Python)."""
+        p = self._posts + 1
+        avg = req.reduce_op is ReduceOp.AVG
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc = self.native.chunk(p, chunk, par, code, avg, self._limit(req), _CHUNK_SLEEP)
+        if rc == RC_DONE:
+            self._posts = p + 1
+            return 2
+        if rc == RC_WAIT:
+            self._posts = p
+            self.wait_all(p, req)
+            return 0
+        assert rc == RC_WAIT2, rc
+        self._posts = p + 1
+        self.wait_all(p + 1, req)
+        return 1
 
     def _limit(self, req: Request) -> float:
         """How long the helper waits before handing the wait to :meth:`wait_word`: as long as

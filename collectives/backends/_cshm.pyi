@@ -15,6 +15,7 @@ class Sync:
         headers: tuple[int, ...],
         slots0: tuple[int, ...],
         slots1: tuple[int, ...],
+        res: tuple[int, ...],
         spin: float,
     ) -> None: ...
     def begin(
@@ -29,3 +30,26 @@ class Sync:
         /,
     ) -> int: ...
     def phase(self, post: int, limit: float, /) -> int: ...
+    def chunk(
+        self,
+        post: int,
+        array: Any,
+        parity: int,
+        code: int,
+        avg: bool,
+        limit: float,
+        sleep: float,
+        /,
+    ) -> int: ...
+    def zero_copy(
+        self,
+        code: int,
+        avg: bool,
+        arrays: tuple[int, ...],
+        lo: int,
+        hi: int,
+        itemsize: int,
+        scratch: int,
+        block: int,
+        /,
+    ) -> None: ...

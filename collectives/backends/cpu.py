@@ -12,8 +12,10 @@ Design (after DeepSpeed's SHM all-reduce):
 * Large all-reduce: per chunk, each rank copies its chunk into its slot, posts, reduces *its own
   slice* of the chunk from every rank's slot into its result area (fixed order 0..n-1), posts,
   then copies every rank's reduced slice into its output. Every element is reduced exactly once,
-  in rank order, so results are bitwise identical on every rank and from run to run.
-  Small messages use one phase: every rank reduces everything in the same fixed order.
+  in rank order, so results are bitwise identical on every rank and from run to run. With the
+  compiled helper a round is one C call (``Lockstep.reduce_chunk``), and short rounds when
+  every rank has it (see ``_COMPILED``). Small messages use one phase: every rank reduces
+  everything in the same fixed order.
 * Zero copy: arrays from :meth:`ProcessGroup.alloc` live in shared memory that every rank maps;
   when all ranks pass such arrays, each rank reduces its slice straight from the peers' arrays
   and writes the result into all of them (two phases, no staging copies).
@@ -38,6 +40,7 @@ from .._errors import (
 from .._exit import on_uncaught
 from .._registry import register_backend
 from .._signature import describe_record, record_bytes, same_p2p_call
+from .._types import ReduceOp
 from . import _shm
 from ._cpu_layout import (
     ABORT_CLOSED,
@@ -60,6 +63,11 @@ __all__ = ["CpuBackend"]
 
 _UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
+# A large all-reduce's location flag bit: this rank runs the compiled rounds. If all do, one
+# over 1 MiB goes in rounds of _COMPILED_ROUND bytes (data stays in cache; a compiled phase is
+# cheap, a Python one is not; up to 1 MiB one round was faster), else of DPT_CPU_CHUNK_BYTES.
+_COMPILED = 2
+_COMPILED_ROUND, _SHORT_ABOVE = 256 << 10, 1 << 20
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -232,15 +240,23 @@ class CpuBackend(Backend):
     def _do_all_reduce(self, req: Request) -> None:
         arr = req.array
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
-        # Large: a signature-only first post says where each rank's data is, so that ranks
-        # whose arrays all live in shared memory can skip staging altogether.
-        loc = self._zero_copy_loc(flat) or NO_LOCATION
-        post = self.sync.begin(req, loc)
-        locs = self.sync.locations(post)
-        if all(entry[0] == 1 for entry in locs):
-            self._all_reduce_zero_copy(req, flat, locs)
+        sync = self.sync
+        # Large: a signature-only first post says where each rank's data is (flag bit 0: in
+        # shared memory, so that ranks whose arrays all are can skip staging altogether) and
+        # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
+        code = -1 if sync.native is None else sync.chunk_code(req.signature)
+        zc = self._zero_copy_loc(flat)
+        loc = zc or NO_LOCATION
+        if code >= 0:
+            loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
+        post = sync.begin(req, loc)
+        locs = sync.locations(post)
+        if all(entry[0] & 1 for entry in locs):
+            self._all_reduce_zero_copy(req, flat, locs, code)
         else:
-            self._all_reduce_chunks(req, flat, first_done=True)
+            short = flat.nbytes > _SHORT_ABOVE and all(e[0] & _COMPILED for e in locs)
+            per = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
+            self._all_reduce_chunks(req, flat, first_done=True, code=code, per_bytes=per)
 
     def _all_reduce_small(self, req: Request, arr: Any, par: int, staged: bool) -> None:
         """One phase: every rank stages its (contiguous) ``arr`` in slot ``par``, then reduces
@@ -273,50 +289,76 @@ class CpuBackend(Backend):
         return [((count * i) // n, (count * (i + 1)) // n) for i in range(n)]
 
     def _all_reduce_chunks(
-        self, req: Request, flat: Any, first_done: bool, gather_to: int = -1
+        self,
+        req: Request,
+        flat: Any,
+        first_done: bool,
+        gather_to: int = -1,
+        code: int = -1,
+        per_bytes: int = 0,
     ) -> None:
-        """Chunked reduce (each rank reduces its slice) then gather (or only to ``gather_to``).
+        """Chunked reduce (each rank reduces its slice) then gather (or only to ``gather_to``),
+        in rounds of ``per_bytes`` (default: the chunk).
 
         With ``first_done`` the signature post happened already and carried no data, so the
-        first chunk's data goes out with a plain post.
+        first chunk's data goes out with a plain post. ``code`` >= 0 (an all-reduce only):
+        each round is one compiled call (``Lockstep.reduce_chunk``, the same posts as here).
         """
         dt = flat.dtype
         isz = dt.itemsize
-        per = max(self.chunk // isz, 1)
+        per = max((per_bytes or self.chunk) // isz, 1)
         total = flat.size
         me, op, n = self.rank, req.reduce_op, self.size
         assert op is not None
+        sync = self.sync
         for i, (start, m) in enumerate(_chunks(total, per)):
             par = self._next_slot()
-            bounds = self._slices(m)
             chunk = flat[start : start + m]
-            slot = self.mine.slots[par].view(dt)[:m]
-            # Peers read every slice but this rank's own; copy those only.
-            for q, (lo, hi) in enumerate(bounds):
-                if q != me and hi > lo:
-                    slot[lo:hi] = chunk[lo:hi]
-            self._round(req, i == 0 and not first_done)
-            lo, hi = bounds[me]
-            if hi > lo:
-                sources = [
-                    chunk[lo:hi] if q == me else p.slots[par].view(dt)[lo:hi]
-                    for q, p in enumerate(self.views)
-                ]
-                reduce_in_order(self.mine.res.view(dt)[lo:hi], sources, op, n)
-            self.sync.phase(req)
+            left = 0 if code < 0 else sync.reduce_chunk(req, chunk, par, code)
+            if left == 2:
+                continue
+            bounds = self._slices(m)
+            if left == 0:
+                if code < 0:
+                    self._stage(req, chunk, par, bounds, i == 0 and not first_done)
+                lo, hi = bounds[me]
+                if hi > lo:
+                    sources = [
+                        chunk[lo:hi] if q == me else p.slots[par].view(dt)[lo:hi]
+                        for q, p in enumerate(self.views)
+                    ]
+                    reduce_in_order(self.mine.res.view(dt)[lo:hi], sources, op, n)
+                sync.phase(req)
             if gather_to < 0 or gather_to == me:
                 for q, (lo, hi) in enumerate(bounds):
                     if hi > lo:
                         chunk[lo:hi] = self.views[q].res.view(dt)[lo:hi]
 
-    def _all_reduce_zero_copy(self, req: Request, flat: Any, locs: list[Any]) -> None:
+    def _stage(self, req: Request, chunk: Any, par: int, bounds: Any, first: bool) -> None:
+        """Copy the slices of ``chunk`` that peers reduce into slot ``par``, then post."""
+        slot = self.mine.slots[par].view(chunk.dtype)[: chunk.size]
+        # Peers read every slice but this rank's own; copy those only.
+        for q, (lo, hi) in enumerate(bounds):
+            if q != self.rank and hi > lo:
+                slot[lo:hi] = chunk[lo:hi]
+        self._round(req, first)
+
+    def _all_reduce_zero_copy(self, req: Request, flat: Any, locs: list[Any], code: int) -> None:
         dt = flat.dtype
         me = self.rank
         views = [self._peer_view(q, loc, dt, flat.size) for q, loc in enumerate(locs)]
         lo, hi = self._slices(flat.size)[me]
         op = req.reduce_op
         assert op is not None
-        if me <= 1:
+        sync = self.sync
+        if code >= 0:
+            # One compiled call, the GIL released (the same order and blocks as below).
+            addrs = tuple(v.__array_interface__["data"][0] for v in views)
+            block = min(_ZC_BLOCK, self.chunk) // dt.itemsize * dt.itemsize
+            avg = op is ReduceOp.AVG
+            scratch = self.mine.res_addr
+            sync.native.zero_copy(code, avg, addrs, lo, hi, dt.itemsize, scratch, block)
+        elif me <= 1:
             # This rank's array is one of the first two operands, read before it is written
             # element by element, so it can take the result directly (no scratch pass). Work
             # in blocks that stay in cache, so copying the result to the peers reads it from

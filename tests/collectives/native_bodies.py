@@ -47,15 +47,18 @@ def wild(seed: int, rank: int, size: int, dtype: str) -> np.ndarray[Any, Any]:
     return rng.integers(info.min, info.max, size, dtype=dt, endpoint=True)
 
 
-def same_bits(seed: int, sizes: list[int]) -> dict[str, Any]:
+def same_bits(seed: int, sizes: list[int], zero_copy: bool = False) -> dict[str, Any]:
     """Every case of :data:`CASES` at every size, all_reduced twice: through the compiled
     helper, then (every rank switched over between the calls) in pure Python. Both must equal
-    the in-order NumPy reduction bit for bit (NaNs where it has NaNs)."""
+    the in-order NumPy reduction bit for bit (NaNs where it has NaNs). ``zero_copy``: the
+    arrays live in shared memory (``C.alloc``), so large ones take the zero-copy path."""
     backend: Any = C.get_default_group().backend
     sync = backend.sync
     native = sync.native
     rank, n = C.get_rank(), C.get_world_size()
     checked = 0
+    # One allocation for every case (each alloc maps a segment per rank).
+    shared = C.alloc(8 * max(sizes), "uint8") if zero_copy else None
     try:
         for dtype, op in CASES:
             for size in sizes:
@@ -70,6 +73,9 @@ def same_bits(seed: int, sizes: list[int]) -> dict[str, Any]:
                 for path, engine in (("compiled", native), ("python", None)):
                     sync.native = engine
                     x = inputs[rank].copy()
+                    if shared is not None:
+                        x = shared[: x.nbytes].view(x.dtype)
+                        x[...] = inputs[rank]
                     with np.errstate(all="ignore"):
                         C.all_reduce(x, op)
                     if x.tobytes() != ref.tobytes():

@@ -68,6 +68,27 @@ def test_compiled_and_python_results_are_bitwise_equal(
 
 
 @needs_helper
+@pytest.mark.parametrize(
+    "chunk,sizes,zero_copy",
+    [(8192, [2049, 20_011], False), (8192, [2049, 20_011], True), (0, [200_003], False)],
+    ids=["staged", "zero-copy", "short-rounds"],
+)
+def test_large_all_reduce_is_bitwise_equal_on_both_paths(
+    pool_cache: PoolCache, seed: int, chunk: int, sizes: list[int], zero_copy: bool
+) -> None:
+    """Above the small-message size, in rounds of 8 KiB staging chunks (many chunks, odd
+    lengths, slices of unequal size at 3 ranks) or of the compiled path's short rounds
+    (default chunk; Python takes whole chunks): the compiled rounds and the zero-copy helper
+    give NumPy's in-order result bit for bit, as the Python path does."""
+    env = (("DPT_CPU_CHUNK_BYTES", str(chunk)),) if chunk else ()
+    pool = pool_cache.get(PoolSpec("cpu", 3, env, tag=f"chunk{chunk}" if chunk else ""))
+    kw = {"seed": seed, "sizes": sizes, "zero_copy": zero_copy}
+    got = pool.run("native_bodies:same_bits", kw)
+    assert all(g["native"] for g in got), got
+    assert {g["checked"] for g in got} == {got[0]["checked"]} and got[0]["checked"] > 0
+
+
+@needs_helper
 def test_ranks_may_mix_the_paths(pools: list[RankPool], seed: int, tmp_path: Path) -> None:
     """Rank 1 in pure Python, ranks 0 and 2 compiled: the same protocol, so every collective
     works, and a mismatch still fails on every rank naming both sides."""
@@ -77,6 +98,7 @@ def test_ranks_may_mix_the_paths(pools: list[RankPool], seed: int, tmp_path: Pat
     assert pool.run("native_bodies:uses_native") == [True, False, True]
     expect.all_reduce(pool, seed, "float32", "SUM", [0, 7, 4097, 70_001])
     expect.all_reduce(pool, seed, "int32", "MAX", [1, 1000])
+    expect.all_reduce(pool, seed, "float64", "AVG", [300_007])  # C rounds beside Python's
     expect.barrier(pool, str(tmp_path))
     expect.broadcast(pool, seed, "float64", [7, 300_007])
     got = results(mixed[1].call("bodies:mismatch", {"kind": "reduce_op"}, deadline=30, grace=None))
