@@ -23,7 +23,7 @@ from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, 
 from ._rank_threads import thread as _thread
 from ._registry import available_backends, get_backend_spec, registered_backends
 from ._types import ReduceOp
-from .backends._setup_wait import SetupWatch
+from .backends._setup_wait import SetupWatch, remember_peers
 
 __all__ = [
     "all_gather",
@@ -153,6 +153,7 @@ def init_process_group(
                 raise RuntimeError(f"backend {name!r} is not usable here: {reason}")
             if env.world_size > 1:
                 store, peers = rendezvous(env, seconds)
+                remember_peers(store, peers, env.rank)  # for setups that outlive rank 0
                 # Registered before the backends' own callbacks, so that it runs first.
                 on_uncaught(_on_uncaught)
         info = GroupInfo(

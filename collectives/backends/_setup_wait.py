@@ -35,7 +35,7 @@ from .._errors import CollectiveTimeoutError, PeerFailureError
 from .._store import StoreError
 from ._proc import pid_alive, pid_namespace
 
-__all__ = ["SetupWatch", "register_last_words", "setup_op"]
+__all__ = ["SetupWatch", "register_last_words", "remember_peers", "setup_op"]
 
 _SLICE_MIN, _SLICE_MAX = 0.02, 0.25  # seconds a slice of the store wait lasts (doubling)
 # How often the store is asked which peers left (one request per peer): every second, and
@@ -54,6 +54,20 @@ LastWords = Callable[[], "dict[int, str]"]
 # Backends that keep failure records (the cpu backend's abort words in shared memory) register
 # a reader here, so every setup wait can quote them, whatever group it watches.
 _LAST_WORDS: list[LastWords] = []
+
+
+def remember_peers(store: Any, peers: Mapping[int, tuple[int, str]], global_rank: int) -> None:
+    """Seed the pid records of ``store``'s job with what ``init_process_group`` read (every
+    rank's pid and ``"host pid-namespace"``), so that a setup started after the store's host
+    died still knows that host's pid and names it, instead of failing on the lost store."""
+    try:
+        known = _PIDS.setdefault(store, {})
+    except TypeError:  # a store that takes no weak reference: the setups read the records
+        return
+    here = f"{platform.node()} {pid_namespace()}"
+    for g, (pid, where) in peers.items():
+        if g != global_rank:
+            known.setdefault(g, pid if where == here else None)
 
 
 def register_last_words(reader: LastWords) -> None:

@@ -170,3 +170,50 @@ def test_pids_are_trusted_only_from_this_host_and_pid_namespace() -> None:
         assert SetupWatch(info, "new_group")._pids() == {1: 101, 2: 102}
     finally:
         store.close()
+
+
+def test_a_setup_after_the_store_host_died_names_it_from_the_init_records() -> None:
+    """A rank that starts a setup only after rank 0 (the store's host) died cannot read rank
+    0's pid from the store any more: what init_process_group read names it."""
+    from collectives import PeerFailureError
+    from collectives._backend import GroupInfo
+    from collectives._store import TCPStore
+    from collectives.backends._proc import pid_namespace
+    from collectives.backends._setup_wait import SetupWatch, remember_peers
+
+    code = (
+        "import sys; from collectives._store import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, is_server=True, timeout=30); "
+        "print(s.port, flush=True); sys.stdin.read()"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        store = TCPStore("127.0.0.1", port, is_server=False, timeout=LONG)
+        here = f"{platform.node()} {pid_namespace()}"
+        remember_peers(store, {0: (host.pid, here), 1: (os.getpid(), here)}, 1)
+        host.kill()
+        host.wait(10)
+        info = GroupInfo(
+            rank=1, size=2, ranks=(0, 1), global_rank=1, name="g1", store=store, timeout=LONG
+        )
+        watch = SetupWatch(info, "new_group")
+        gone = f"rank 0 \\(pid {host.pid}\\) is gone"
+        with pytest.raises(PeerFailureError, match=gone), watch.guard():
+            store.set("new_group/1/1", "0,1 cpu")
+        store.close()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(10)
