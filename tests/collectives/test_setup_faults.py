@@ -175,26 +175,16 @@ def test_pids_are_trusted_only_from_this_host_and_pid_namespace() -> None:
 def test_a_setup_after_the_store_host_died_names_it_from_the_init_records() -> None:
     """A rank that starts a setup only after rank 0 (the store's host) died cannot read rank
     0's pid from the store any more: what init_process_group read names it."""
-    from collectives import PeerFailureError
+    from collectives import PeerFailureError, _store
     from collectives._backend import GroupInfo
     from collectives._store import TCPStore
     from collectives.backends._proc import pid_namespace
     from collectives.backends._setup_wait import SetupWatch, remember_peers
+    from tests.collectives.test_store import SERVER_SCRIPT  # a store host, loaded by path
 
-    code = (
-        "import sys; from collectives._store import TCPStore; "
-        "s = TCPStore('127.0.0.1', 0, is_server=True, timeout=30); "
-        "print(s.port, flush=True); sys.stdin.read()"
-    )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-    )
     host = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
+        [sys.executable, "-c", SERVER_SCRIPT, str(os.path.dirname(_store.__file__))],
         stdout=subprocess.PIPE,
-        env=env,
         text=True,
     )
     try:
