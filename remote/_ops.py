@@ -176,10 +176,12 @@ def _add_at(xp: Any, a: Any, index: Any, values: Any) -> None:
 
 def _adam(array_type: type) -> Handler:
     """ADAM: ``tensorlib.optim.adam_update`` on each parameter, as a local step runs it (the
-    same function on the same NumPy, so the same bits). Every value is checked first: a
-    malformed record changes nothing."""
+    same function on the same NumPy, so the same bits). Every value is checked first (types,
+    counts, each parameter's shapes and float dtypes): a malformed record changes nothing.
+    The handler returns the update, not yet run: the worker runs it at once, or just after
+    answering the READ that follows it (``Worker``)."""
 
-    def run(a: Sequence[Any], out: Any) -> None:
+    def run(a: Sequence[Any], out: Any) -> Callable[[], None]:
         if len(a) != 13:
             raise TypeError(f"adam: 13 arguments expected, got {len(a)}")
         hyper, (decoupled, maximize), arrays, steps = a[:5], a[5:7], a[7:12], a[12]
@@ -197,13 +199,24 @@ def _adam(array_type: type) -> Handler:
             if not all(issubclass(t, array_type) for t in set(map(type, xs))):
                 raise TypeError("adam: a parameter's data, grad and moments must be arrays")
         data, grad, m, v, vmax = arrays
-        lr, b1, b2, eps, wd = hyper
         for i in range(n):
-            adam_update(
-                data[i], grad[i], m[i], v[i], vmax[i] if vmax else None, steps[i], lr=lr,
-                beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
-                maximize=maximize,
-            )  # fmt: skip
+            group = (data[i], grad[i], m[i], v[i], *((vmax[i],) if vmax else ()))
+            if any(x.shape != data[i].shape or x.dtype.kind != "f" for x in group):
+                raise TypeError(
+                    f"adam: parameter {i}'s data, grad and moments must be float arrays of "
+                    f"one shape, got {[(x.shape, str(x.dtype)) for x in group]}"
+                )
+        lr, b1, b2, eps, wd = hyper
+
+        def update() -> None:
+            for i in range(n):
+                adam_update(
+                    data[i], grad[i], m[i], v[i], vmax[i] if vmax else None, steps[i], lr=lr,
+                    beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
+                    maximize=maximize,
+                )  # fmt: skip
+
+        return update
 
     return run
 

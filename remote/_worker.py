@@ -149,6 +149,7 @@ class Worker:
             I64.unpack_from,
         )
         table, nops, n = self.table, len(OPS), 0
+        deferred: tuple[int, Any, Reader, int] | None = None
         while pos < end:
             if self.closed:
                 return
@@ -170,6 +171,9 @@ class Worker:
                     raw.append(r.value())
                 pos = r.pos
                 self._session_record(op, oid, tuple(raw))
+                if deferred is not None:  # the update the READ did not need to wait for
+                    self._run_update(*deferred)
+                    deferred = None
                 continue
             seq = self._seq
             self._seq = seq + 1
@@ -220,7 +224,7 @@ class Worker:
                             bad = bad if bad is not None else _why(exc)
                     args.append(v)
             if op == ADAM:
-                self._adam(seq, args, bad, r, rec)
+                deferred = self._adam(seq, args, bad, r, rec, self._read_next(buf, pos, end))
             elif bad is not None:
                 self._fail_input(seq, op, _results(op, oid), bad)
             else:
@@ -301,15 +305,45 @@ class Worker:
                     self.bytes -= entry[1]
         return stop
 
-    def _adam(self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int) -> None:
-        """ADAM writes many arrays in place: a failure poisons every one it writes."""
+    def _adam(
+        self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int, read: Any
+    ) -> tuple[int, Any, Reader, int] | None:
+        """ADAM writes many arrays in place: a failure poisons every one it writes.
+
+        Its checks run now; the update too, unless ``read`` (the array the next record, a
+        READ, reads: ``_read_next``) is not one it writes: then the update is returned, to
+        run right after that READ's reply (the client goes on with its next step while the
+        server updates). An update that passed its checks fails only if NumPy does (out of
+        memory): that failure is reported at the next reply, naming ADAM's call site.
+        """
         if bad is not None:
             self._fail_input(seq, ADAM, adam_writes(self._raw(r, rec)), bad)
-            return
+            return None
         try:
-            self._table[ADAM](args, None)  # type: ignore[misc]  # always in the table
+            update = self._table[ADAM](args, None)  # type: ignore[misc]  # always in the table
         except Exception as exc:
             self._fail(seq, ADAM, adam_writes(self._raw(r, rec)), f"{type(exc).__name__}: {exc}")
+            return None
+        if read is not None and not _writes(args, read):
+            return (seq, update, r, rec)
+        self._run_update(seq, update, r, rec)
+        return None
+
+    def _run_update(self, seq: int, update: Any, r: Reader, rec: int) -> None:
+        try:
+            update()
+        except Exception as exc:
+            self._fail(seq, ADAM, adam_writes(self._raw(r, rec)), f"{type(exc).__name__}: {exc}")
+
+    def _read_next(self, buf: memoryview, pos: int, end: int) -> Any:
+        """The array the record at ``pos`` reads, if it is a READ of one (else None)."""
+        if pos + 13 > end:
+            return None
+        op, _, _, nargs = RECORD_HEAD.unpack_from(buf, pos)
+        if op == READ and nargs == 1 and buf[pos + 8] == T_REF:
+            x = self.table.get(U32.unpack_from(buf, pos + 9)[0])
+            return x if isinstance(x, self._array_type) else None
+        return None
 
     @staticmethod
     def _raw(r: Reader, rec: int) -> tuple[Any, ...]:
@@ -410,6 +444,18 @@ class Worker:
                 f"the session's memory limit: {nbytes} bytes more on top of the {self.bytes} "
                 f"held would exceed max_session_bytes={self.limit}"
             )
+
+
+def _root(x: Any) -> Any:
+    while x.base is not None and hasattr(x.base, "base"):
+        x = x.base
+    return x
+
+
+def _writes(args: list[Any], x: Any) -> bool:
+    """Whether an ADAM record (its resolved values) writes ``x`` or memory ``x`` views."""
+    root = _root(x)
+    return any(_root(a) is root for k in (7, 9, 10, 11) for a in args[k])
 
 
 def _results(op: int, oid: int) -> list[int]:

@@ -110,6 +110,52 @@ def test_a_fused_update_that_fails_poisons_what_it_writes_and_names_its_call_sit
     assert (xp.ones((2,)) * 3).get().tolist() == [3.0, 3.0]  # the session goes on
 
 
+def test_a_read_the_update_does_not_touch_is_answered_first_and_its_failure_comes_next(
+    rdev: tl.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server answers ``loss.item()`` before running the ADAM record just before it (the
+    client starts its next step meanwhile); an update that passed its checks and then failed
+    is reported at the next read, naming its call site, and poisons what it writes."""
+    xp = rdev.xp
+    data, grad, m, v = xp.ones((4,)), xp.ones((4,)), xp.zeros((4,)), xp.zeros((4,))
+    loss = xp.ones(()) * 2.5
+    rdev.synchronize()  # so that ADAM and the READ go out in one frame
+
+    def boom(*args: Any, **kw: Any) -> None:
+        raise FloatingPointError("boom")
+
+    monkeypatch.setattr(remote._ops, "adam_update", boom)  # the in-process server's
+    _fused.adam([(data, grad, m, v, None, 1)], **_adam_args())
+    line = sys._getframe().f_lineno - 1
+    assert float(loss.get()) == 2.5  # answered before the update ran (and failed)
+    with pytest.raises(remote.RemoteOpError, match=r"'adam'.*boom") as info:
+        (xp.ones((2,)) + 1).get()
+    assert f"test_fused.py:{line}" in str(info.value)
+    with pytest.raises(remote.RemoteOpError, match="boom"):
+        m.get()
+    assert grad.get().tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("read", ["data", "view of data", "moment"])
+def test_a_read_of_what_the_update_writes_waits_for_it(rdev: tl.Device, read: str) -> None:
+    xp = rdev.xp
+    host = [np.ones(4), np.full(4, 0.5), np.zeros(4), np.zeros(4)]
+    data, grad, m, v = (xp.asarray(h.copy()) for h in host)
+    view = data[1:3]
+    rdev.synchronize()
+    _fused.adam([(data, grad, m, v, None, 1)], **_adam_args(lr=0.1))
+    got = {"data": data, "view of data": view, "moment": v}[read].get()
+    pick = {
+        "data": lambda: host[0],
+        "view of data": lambda: host[0][1:3],
+        "moment": lambda: host[3],
+    }
+    before = pick[read]().copy()
+    optim.adam_update(host[0], host[1], host[2], host[3], None, 1, **_adam_args(lr=0.1))
+    want = pick[read]()
+    assert np.array_equal(got, want) and not np.array_equal(want, before)
+
+
 def _sealed(seal: Seal, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload) + 32) + payload + seal.tag(payload)
 
