@@ -142,12 +142,8 @@ class Worker:
         if kind != RECORDS:
             raise ProtocolError(f"a session may only send records, got frame kind {kind}")
         buf, pos, end = r.buf, r.pos, len(r.buf)
-        head, u32, f64, i64 = (
-            RECORD_HEAD.unpack_from,
-            U32.unpack_from,
-            F64.unpack_from,
-            I64.unpack_from,
-        )
+        head, u32 = RECORD_HEAD.unpack_from, U32.unpack_from
+        f64, i64 = F64.unpack_from, I64.unpack_from
         table, nops, n = self.table, len(OPS), 0
         deferred: tuple[int, Any, Reader, int] | None = None
         while pos < end:
