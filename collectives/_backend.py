@@ -296,8 +296,12 @@ class Executor:
         # The hot path (a blocking call run inline) takes the lock directly, which is cheaper
         # than the Condition's Python-level methods, and notifies only when someone waits.
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # drain()'s waiters
         self._waiting = 0  # threads inside self._cond.wait()
+        # The communication thread's: notified only when it has something to do (a request
+        # queued, the one running done with more queued, or closing), so a call a waiter ran
+        # itself (help) does not wake it for nothing.
+        self._ready = threading.Condition(self._lock)
         self._queue: deque[tuple[Request, Work]] = deque()
         self._running = False
         self._closed = False
@@ -318,6 +322,7 @@ class Executor:
                 # From now until it finished, the thread must get the GIL back quickly: to
                 # wake up for it, and after each copy or wait that released it.
                 _SHORT_SWITCH.enter()
+                work._help = self.help
                 self._queue.append((req, work))
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -326,7 +331,7 @@ class Executor:
                         daemon=True,
                     )
                     self._thread.start()
-                self._cond.notify_all()
+                self._ready.notify()
         if inline:
             try:
                 self._execute(req, work)
@@ -334,9 +339,28 @@ class Executor:
                 self._idle()
         return work
 
+    def help(self, work: Work) -> None:
+        """Run queued requests in order on this (waiting) thread, up to and including
+        ``work``, while nothing else runs: a call waited on right after it was issued then
+        costs what a blocking one does, not two wake-ups of threads. Returns as soon as the
+        communication thread runs (or ran) one of them; the caller then waits as usual."""
+        while not work.is_completed():
+            with self._lock:
+                if self._running or not any(w is work for _, w in self._queue):
+                    return
+                req, queued = self._queue.popleft()
+                self._running = True
+            try:
+                self._execute(req, queued)
+            finally:
+                _SHORT_SWITCH.leave()  # entered when the request was queued
+                self._idle()
+
     def _idle(self) -> None:
         with self._lock:
             self._running = False
+            if self._queue:
+                self._ready.notify()
             if self._waiting:
                 self._cond.notify_all()
 
@@ -394,8 +418,9 @@ class Executor:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while (not self._queue or self._running) and not self._closed:
-                    self._wait(None)
+                # (Running: a waiter runs a request here, see help; even once closed, wait.)
+                while self._running or (not self._queue and not self._closed):
+                    self._ready.wait()
                 if self._closed and not self._queue:
                     return
                 req, work = self._queue.popleft()
@@ -431,6 +456,7 @@ class Executor:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._ready.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self.backend.info.timeout + 5)

@@ -20,7 +20,9 @@ class Work:
     ``is_completed()`` and ``exception()`` poll without blocking.
     """
 
-    __slots__ = ("_done", "_error", "_event", "_finalize", "_output", "op", "rank", "seq")
+    __slots__ = (
+        "_done", "_error", "_event", "_finalize", "_help", "_output", "op", "rank", "seq"
+    )  # fmt: skip
 
     def __init__(self, op: str, seq: int, rank: int, threaded: bool = True) -> None:
         self.op = op
@@ -33,12 +35,16 @@ class Work:
         self._output: Any = None
         self._error: BaseException | None = None
         self._finalize: Callable[[Any], Any] | None = None
+        # Set by the executor that queued it: runs it on the waiting thread if it is still
+        # queued and nothing runs (no hand-over to the communication thread and back).
+        self._help: Callable[[Work], None] | None = None
 
     # ------------------------------------------------------------------ completion (engine side)
     def set_result(self, output: Any) -> None:
         """Mark the work done with ``output`` (called by the engine)."""
         self._output = output
         self._done = True
+        self._help = None  # nothing left to run; and the executor need not stay alive for it
         if self._event is not None:
             self._event.set()
 
@@ -46,6 +52,7 @@ class Work:
         """Mark the work failed with ``error`` (called by the engine)."""
         self._error = error
         self._done = True
+        self._help = None
         if self._event is not None:
             self._event.set()
 
@@ -60,6 +67,8 @@ class Work:
             CollectiveTimeoutError: if ``timeout`` passed first (the collective keeps running).
             CollectiveError: the collective's own failure.
         """
+        if not self._done and timeout is None and self._help is not None:
+            self._help(self)  # it may run here; with a timeout it must not block longer
         if not self._done and (self._event is None or not self._event.wait(timeout)):
             raise self.expired(timeout)
         return self._deliver()
