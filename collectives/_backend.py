@@ -350,11 +350,15 @@ class Executor:
                     return
                 req, queued = self._queue.popleft()
                 self._running = True
-            try:
-                self._execute(req, queued)
-            finally:
-                _SHORT_SWITCH.leave()  # entered when the request was queued
-                self._idle()
+            self._run_queued(req, queued)
+
+    def _run_queued(self, req: Request, work: Work) -> None:
+        """Run a request taken from the queue (``_running`` set), then let the next go."""
+        try:
+            self._execute(req, work)
+        finally:
+            _SHORT_SWITCH.leave()  # entered when the request was queued
+            self._idle()
 
     def _idle(self) -> None:
         with self._lock:
@@ -426,11 +430,7 @@ class Executor:
                 req, work = self._queue.popleft()
                 self._running = True
             req.on_thread = True
-            try:
-                self._execute(req, work)
-            finally:
-                _SHORT_SWITCH.leave()  # entered when the request was queued
-                self._idle()
+            self._run_queued(req, work)
 
     def _wait(self, timeout: float | None) -> None:
         """``self._cond.wait`` (lock held), counted so that notifiers can skip empty rooms."""
