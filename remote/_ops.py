@@ -24,7 +24,7 @@ from tensorlib.optim import adam_update
 
 from ._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
 
-__all__ = ["Handler", "adam_writes", "handlers"]
+__all__ = ["ADAM_WRITTEN", "Handler", "adam_writes", "handlers"]
 
 Handler = Callable[[Sequence[Any], Any], Any]
 _ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -221,11 +221,16 @@ def _adam(array_type: type) -> Handler:
     return run
 
 
+# Which of an ADAM record's values it writes in place: the data, the two moments, and the
+# amsgrad maxima (tuples, one array a parameter); the grads (value 8) it only reads.
+ADAM_WRITTEN = (7, 9, 10, 11)
+
+
 def adam_writes(args: Sequence[Any]) -> list[int]:
     """The ids an ADAM record (its values as decoded, REFs unresolved) writes: what a failure
     poisons (the data and the moments)."""
     out: list[int] = []
-    for k in (7, 9, 10, 11):
+    for k in ADAM_WRITTEN:
         xs = args[k] if len(args) > k else ()
         out += [x for x in xs if type(x) is Ref] if type(xs) is tuple else []
     return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._collective import collective_handler
 from ._conn import Framed
-from ._ops import adam_writes, handlers
+from ._ops import ADAM_WRITTEN, adam_writes, handlers
 from ._wire import (
     ADAM,
     DROP,
@@ -451,7 +451,7 @@ def _root(x: Any) -> Any:
 def _writes(args: list[Any], x: Any) -> bool:
     """Whether an ADAM record (its resolved values) writes ``x`` or memory ``x`` views."""
     root = _root(x)
-    return any(_root(a) is root for k in (7, 9, 10, 11) for a in args[k])
+    return any(_root(a) is root for k in ADAM_WRITTEN for a in args[k])
 
 
 def _results(op: int, oid: int) -> list[int]:
