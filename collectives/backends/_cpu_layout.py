@@ -161,7 +161,7 @@ class SegmentView:
     def location(self, post: int) -> tuple[int, int, int, int]:
         """Where this rank's data for the collective that began at ``post`` is."""
         off = H_SIG + (post & 1) * SIG_SLOT + SIG_BYTES
-        flag, alloc_id, offset, nbytes = LOCATION.unpack(self.seg.buf[off : off + LOCATION.size])
+        flag, alloc_id, offset, nbytes = LOCATION.unpack_from(self.seg.buf, off)
         return flag, alloc_id, offset, nbytes
 
     def abort_reason(self) -> str:

@@ -138,6 +138,7 @@ class Lockstep:
         # id(signature) -> (it, its record after the sequence number with no data location,
         # its compiled reduction code, whether its op is AVG)
         self._records: dict[int, tuple[Signature, bytes, int, bool]] = {}
+        self._loc_records: dict[tuple[int, tuple[int, ...]], tuple[Signature, bytes]] = {}
         self.native: Any = None
         if native is not None and self.size > 1:
             self.native = native.Sync(
@@ -167,10 +168,7 @@ class Lockstep:
 
     def begin(self, req: Request, loc: tuple[int, int, int, int] = NO_LOCATION) -> int:
         """First post of a collective: signature out, wait for all, compare; returns the post."""
-        if loc is NO_LOCATION:
-            rec = self._record(req.signature)[0]
-        else:
-            rec = record_bytes(req.signature, 0)[8:] + LOCATION.pack(*loc)
+        rec = self._record(req.signature)[0] if loc is NO_LOCATION else self._located(req, loc)
         self._posts += 1
         post = self._posts
         if self.native is not None:
@@ -278,6 +276,19 @@ class Lockstep:
         self._records[id(sig)] = (sig, rec, code, sig.reduce_op is ReduceOp.AVG)
         return rec, code
 
+    def _located(self, req: Request, loc: tuple[int, int, int, int]) -> bytes:
+        """``req``'s record with data location ``loc``; cached like :meth:`_record` (a large
+        call repeated on one array makes the same one every time)."""
+        sig = req.signature
+        hit = self._loc_records.get((id(sig), loc))
+        if hit is not None and hit[0] is sig:
+            return hit[1]
+        rec = record_bytes(sig, 0)[8:] + LOCATION.pack(*loc)
+        if len(self._loc_records) >= 256:
+            self._loc_records.clear()
+        self._loc_records[(id(sig), loc)] = (sig, rec)
+        return rec
+
     def phase(self, req: Request) -> None:
         """One more (post, wait for all) step of the current collective."""
         if self.native is not None:
@@ -287,9 +298,9 @@ class Lockstep:
             return
         self.wait_all(self.post(), req)
 
-    def locations(self, post: int) -> list[tuple[int, int, int, int]]:
+    def locations(self, post: int) -> tuple[tuple[int, int, int, int], ...]:
         """Every rank's data location from its signature of ``post``."""
-        return [view.location(post) for view in self.views]
+        return tuple([view.location(post) for view in self.views])
 
     def _mismatch(self, req: Request, post: int, mine: bytes) -> None:
         raw = [mine if q == self.rank else v.signature(post) for q, v in enumerate(self.views)]

@@ -53,6 +53,7 @@ from ._cpu_layout import (
     env_bytes,
     reached,
 )
+from ._cpu_shared import SharedArrays
 from ._cpu_sync import Lockstep, abort_kind, native_module
 from ._proc import host_id
 from ._reduce import reduce_in_order
@@ -116,7 +117,7 @@ class CpuBackend(Backend):
         self._slot_parity = 0
         self._sent = [0] * n  # chunks sent to each peer
         self._recvd = [0] * n  # chunks received from each peer
-        self._allocs: list[tuple[int, int, int, list[Segment]]] = []
+        self.shared = SharedArrays(self.rank, n)
         # (slot parity, dtype, count) -> this rank's slot and every rank's, as typed views.
         self._small_views: dict[tuple[int, Any, int], tuple[Any, list[Any]]] = {}
         self._closed = False
@@ -245,8 +246,7 @@ class CpuBackend(Backend):
         # shared memory, so that ranks whose arrays all are can skip staging altogether) and
         # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
         code = -1 if sync.native is None else sync.chunk_code(req.signature)
-        zc = self._zero_copy_loc(flat)
-        loc = zc or NO_LOCATION
+        loc = self.shared.location(arr) or NO_LOCATION
         if code >= 0:
             loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
         post = sync.begin(req, loc)
@@ -343,22 +343,25 @@ class CpuBackend(Backend):
                 slot[lo:hi] = chunk[lo:hi]
         self._round(req, first)
 
-    def _all_reduce_zero_copy(self, req: Request, flat: Any, locs: list[Any], code: int) -> None:
+    def _all_reduce_zero_copy(
+        self, req: Request, flat: Any, locs: tuple[Any, ...], code: int
+    ) -> None:
         dt = flat.dtype
-        me = self.rank
-        views = [self._peer_view(q, loc, dt, flat.size) for q, loc in enumerate(locs)]
-        lo, hi = self._slices(flat.size)[me]
         op = req.reduce_op
         assert op is not None
-        sync = self.sync
         if code >= 0:
             # One compiled call, the GIL released (the same order and blocks as below).
-            addrs = tuple(v.__array_interface__["data"][0] for v in views)
+            addrs, lo, hi = self.shared.plan(locs, dt, flat.size)
             block = min(_ZC_BLOCK, self.chunk) // dt.itemsize * dt.itemsize
-            avg = op is ReduceOp.AVG
-            scratch = self.mine.res_addr
-            sync.native.zero_copy(code, avg, addrs, lo, hi, dt.itemsize, scratch, block)
-        elif me <= 1:
+            self.sync.native.zero_copy(
+                code, op is ReduceOp.AVG, addrs, lo, hi, dt.itemsize, self.mine.res_addr, block
+            )
+            self.sync.phase(req)  # nobody returns (and reuses its array) before all slices landed
+            return
+        me = self.rank
+        views = [self.shared.view(q, loc, dt, flat.size) for q, loc in enumerate(locs)]
+        lo, hi = self._slices(flat.size)[me]
+        if me <= 1:
             # This rank's array is one of the first two operands, read before it is written
             # element by element, so it can take the result directly (no scratch pass). Work
             # in blocks that stay in cache, so copying the result to the peers reads it from
@@ -529,24 +532,8 @@ class CpuBackend(Backend):
         except BaseException:
             seg.close()
             raise
-        self._allocs.append((seg.address, seg.address + seg.size, seq, segs))
+        self.shared.add(seg.address, seg.size, seq, segs)
         return seg.u8[:nbytes].view(dt).reshape(shape)
-
-    def _zero_copy_loc(self, flat: Any) -> tuple[int, int, int, int] | None:
-        if not self._allocs:
-            return None
-        addr = flat.__array_interface__["data"][0]
-        for lo, hi, alloc_id, _ in self._allocs:
-            if lo <= addr and addr + flat.nbytes <= hi:
-                return (1, alloc_id, addr - lo, flat.nbytes)
-        return None
-
-    def _peer_view(self, q: int, loc: tuple[int, ...], dt: Any, count: int) -> Any:
-        _, alloc_id, offset, _nbytes = loc
-        for _lo, _hi, aid, segs in self._allocs:
-            if aid == alloc_id:
-                return segs[q].u8[offset : offset + count * dt.itemsize].view(dt)
-        raise RuntimeError(f"rank {q} refers to unknown shared allocation {alloc_id}")
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -560,9 +547,7 @@ class CpuBackend(Backend):
             # told already, an uncaught exception's, stays: it says more than "destroyed".)
             with contextlib.suppress(Exception):
                 self.sync.set_abort("destroyed its process group", ABORT_CLOSED)
-        for _lo, _hi, _aid, segs in self._allocs:
-            for s in segs:
-                s.unlink()
+        self.shared.unlink()
         with contextlib.suppress(Exception):
             self._own.unlink()
 

@@ -217,6 +217,13 @@ def test_alloc_all_reduce(pool: RankPool, seed: int, pattern: str, size: int) ->
 
 
 @params(ALL)
+@pytest.mark.parametrize("size", [5, 30_001])
+def test_alloc_views_that_move_between_calls(pool: RankPool, seed: int, size: int) -> None:
+    got = pool.run("bodies:alloc_views_cycle", {"seed": seed, "size": size, "rounds": 80})
+    assert got == [80] * pool.world_size
+
+
+@params(ALL)
 def test_alloc_buckets_async(pool: RankPool, seed: int) -> None:
     expect.alloc_buckets_async(pool, seed, [20_000, 70_001, 3, 40_000])
 
