@@ -203,32 +203,38 @@ class Lockstep:
         return False
 
     def chunk_code(self, sig: Signature) -> int:
-        """The compiled reduction :meth:`reduce_chunk` and the zero-copy helper can run for
+        """The compiled reduction :meth:`reduce_rounds` and the zero-copy helper can run for
         ``sig`` (AVG only of floats), or -1: NumPy reduces. Only with :attr:`native`."""
         _, code = self._record(sig)
         avg = sig.reduce_op is ReduceOp.AVG
         return -1 if avg and code not in (0, 4) else code
 
-    def reduce_chunk(self, req: Request, chunk: Any, par: int, code: int) -> int:
-        """One round of the large all-reduce, compiled (``_cshm`` chunk(): two posts; see
-        ``cpu.py``'s ``_all_reduce_chunks``). Returns what is left to the caller: 2 nothing,
-        1 the copy of the peers' reduced slices (after this waited for the second post in
-        Python), 0 everything after the first post's wait (done here, in Python)."""
+    def reduce_rounds(
+        self, req: Request, rest: Any, par: int, code: int, per: int
+    ) -> tuple[int, int]:
+        """The large all-reduce's rounds over ``rest`` (the array from the current round on),
+        ``per`` items each, compiled (``_cshm`` rounds(): two posts a round, the first in
+        slot ``par``; see ``cpu.py``'s ``_all_reduce_chunks``), as many as complete without
+        a long wait. Returns ``(done, left)``: ``done`` rounds completed; then ``left`` is 2
+        when that was all of them, else what is left of round ``done`` to the caller: 1 the
+        copy of the peers' reduced slices (after this waited for its second post in Python),
+        0 everything after its first post's wait (done here, in Python)."""
         p = self._posts + 1
         avg = req.reduce_op is ReduceOp.AVG
         # It raises (a bad argument) before it posts anything; then the count stays.
-        rc = self.native.chunk(p, chunk, par, code, avg, self._limit(req), _CHUNK_SLEEP)
+        rc, done = self.native.rounds(p, rest, par, code, avg, self._limit(req), _CHUNK_SLEEP, per)
+        p += 2 * done
         if rc == RC_DONE:
-            self._posts = p + 1
-            return 2
+            self._posts = p - 1
+            return done, 2
         if rc == RC_WAIT:
             self._posts = p
             self.wait_all(p, req)
-            return 0
+            return done, 0
         assert rc == RC_WAIT2, rc
         self._posts = p + 1
         self.wait_all(p + 1, req)
-        return 1
+        return done, 1
 
     def _limit(self, req: Request) -> float:
         """How long the helper waits before handing the wait to :meth:`wait_word`: as long as

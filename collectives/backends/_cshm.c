@@ -38,7 +38,7 @@
 #define RC_REDUCE 2     /* synchronized and checked; no C loop for this dtype/op: Python reduces */
 #define RC_MISMATCH 3   /* a peer's signature differs: Python reports it */
 #define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
-#define RC_WAIT2 5      /* chunk(): reduced, second post out, a peer has not posted it yet */
+#define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer has not posted it yet */
 
 /* Bytes per block of a slice's reduction: the result is copied on while still in cache. */
 #define BLOCK (64 << 10)
@@ -390,73 +390,91 @@ static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *o
     }
 }
 
-/* chunk(post, array, parity, code, avg, limit, sleep) -> rc
+/* rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done)
  *
- * One round of the large all-reduce (cpu.py's _all_reduce_chunks) for the C-contiguous chunk
- * ``array``: copy the peers' slices into staging slot ``parity``, post ``post``, wait, reduce
- * this rank's slice from every rank's slot (its own straight from ``array``) into its result
- * area and into ``array``, post ``post + 1``, wait, copy the peers' reduced slices into
- * ``array``. Slices as cpu.py's _slices. A wait not over within ``limit`` seconds of spinning
- * and yielding and ``sleep`` seconds asleep on the futex (the GIL stays released: a busy main
- * thread does not delay the wake-up) returns RC_WAIT (first post only) or RC_WAIT2 (both
- * out, reduced); Python does the rest. */
-static PyObject *Sync_chunk(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "chunk() takes 7 arguments");
+ * The rounds of the large all-reduce (cpu.py's _all_reduce_chunks) over the C-contiguous
+ * ``array``, ``per`` items each (the last one shorter), round r in staging slot
+ * ``parity + r`` (mod 2) with posts ``post + 2r`` and ``post + 2r + 1``. A round: copy the
+ * peers' slices into the slot, post, wait, reduce this rank's slice from every rank's slot
+ * (its own straight from the array) into its result area and into the array, post, wait, copy
+ * the peers' reduced slices into the array. Slices as cpu.py's _slices. All rounds run with
+ * the GIL released once: on the communication thread each return to Python would wait for a
+ * busy main thread to drop the GIL. A wait not over within ``limit`` seconds of spinning and
+ * yielding and ``sleep`` seconds asleep on the futex stops the rounds: ``done`` rounds are
+ * complete, and round ``done`` has RC_WAIT (its first post out) or RC_WAIT2 (both out,
+ * reduced) left for Python; (RC_DONE, number of rounds) when all completed. */
+static PyObject *Sync_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "rounds() takes 8 arguments");
         return NULL;
     }
     unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
-    int par = PyLong_AsLong(args[2]) & 1;
+    int par0 = PyLong_AsLong(args[2]) & 1;
     long code = PyLong_AsLong(args[3]);
     int avg = PyObject_IsTrue(args[4]);
     double limit = PyFloat_AsDouble(args[5]);
     double sleep = PyFloat_AsDouble(args[6]);
+    Py_ssize_t per_items = PyLong_AsSsize_t(args[7]);
     if (PyErr_Occurred()) return NULL;
     if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (avg && code != 0 && code != 4)) {
-        PyErr_Format(PyExc_ValueError, "chunk(): no compiled reduction for code %ld", code);
+        PyErr_Format(PyExc_ValueError, "rounds(): no compiled reduction for code %ld", code);
+        return NULL;
+    }
+    if (per_items <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rounds(): per must be positive");
         return NULL;
     }
     Py_buffer view = {0};
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
     reducer fn = REDUCERS[code];
-    size_t isz = (size_t)view.itemsize, m = (size_t)view.len / isz;
+    size_t isz = (size_t)view.itemsize, total = (size_t)view.len / isz, per = (size_t)per_items;
     int n = s->n, me = s->rank;
-    char *arr = (char *)view.buf;
     int rc = RC_DONE;
-    uint32_t target = (uint32_t)p;
-    Py_BEGIN_ALLOW_THREADS
-    char *mine = s->slot[par][me];
-    for (int q = 0; q < n; q++) {
-        size_t lo = m * q / n, hi = m * (q + 1) / n;
-        if (q != me && hi > lo) copy(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
+    long done = 0;
+    char *src[64];
+    char **sp = n <= 64 ? src : PyMem_RawMalloc(sizeof(char *) * n);
+    if (sp == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
     }
-    post(s, target);
-    if (!wait_all_sleeping(s, target, limit, sleep)) {
-        rc = RC_WAIT;
-    } else {
+    Py_BEGIN_ALLOW_THREADS
+    /* One empty round for an empty array: every rank still posts. */
+    for (size_t start = 0; start < total || (total == 0 && done == 0); start += per, done++) {
+        size_t m = total - start < per ? total - start : per;
+        int par = (par0 + (int)(done & 1)) & 1;
+        uint32_t target = (uint32_t)(p + 2 * (unsigned long long)done);
+        char *arr = (char *)view.buf + start * isz;
+        char *mine = s->slot[par][me];
+        for (int q = 0; q < n; q++) {
+            size_t lo = m * q / n, hi = m * (q + 1) / n;
+            if (q != me && hi > lo) copy(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
+        }
+        post(s, target);
+        if (!wait_all_sleeping(s, target, limit, sleep)) {
+            rc = RC_WAIT;
+            break;
+        }
         size_t lo = m * me / n, hi = m * (me + 1) / n;
         if (hi > lo) {
-            char *src[64];
-            char **sp = n <= 64 ? src : PyMem_RawMalloc(sizeof(char *) * n);
             for (int q = 0; q < n; q++) sp[q] = (q == me ? arr : s->slot[par][q]) + lo * isz;
             reduce_blocks(s, fn, code, avg, s->res[me] + lo * isz, sp, hi - lo, isz,
                           arr + lo * isz);
-            if (sp != src) PyMem_RawFree(sp);
         }
         post(s, target + 1);
         if (!wait_all_sleeping(s, target + 1, limit, sleep)) {
             rc = RC_WAIT2;
-        } else {
-            for (int q = 0; q < n; q++) {
-                size_t a = m * q / n, b = m * (q + 1) / n;
-                if (q != me && b > a) copy(arr + a * isz, s->res[q] + a * isz, (b - a) * isz);
-            }
+            break;
+        }
+        for (int q = 0; q < n; q++) {
+            size_t a = m * q / n, b = m * (q + 1) / n;
+            if (q != me && b > a) copy(arr + a * isz, s->res[q] + a * isz, (b - a) * isz);
         }
     }
     Py_END_ALLOW_THREADS
+    if (sp != src) PyMem_RawFree(sp);
     PyBuffer_Release(&view);
-    return PyLong_FromLong(rc);
+    return Py_BuildValue("(il)", rc, done);
 }
 
 /* zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block) -> None
@@ -513,8 +531,9 @@ static PyMethodDef Sync_methods[] = {
      "begin(post, seq, record, array, parity, code, limit) -> rc: a collective's first post."},
     {"phase", (PyCFunction)(void (*)(void))Sync_phase, METH_FASTCALL,
      "phase(post, limit) -> rc: post, then wait for all."},
-    {"chunk", (PyCFunction)(void (*)(void))Sync_chunk, METH_FASTCALL,
-     "chunk(post, array, parity, code, avg, limit, sleep) -> rc: one round of the large all-reduce."},
+    {"rounds", (PyCFunction)(void (*)(void))Sync_rounds, METH_FASTCALL,
+     "rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done): the large "
+     "all-reduce's rounds."},
     {"zero_copy", (PyCFunction)(void (*)(void))Sync_zero_copy, METH_FASTCALL,
      "zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block): the zero-copy slice's work."},
     {NULL, NULL, 0, NULL},

@@ -30,7 +30,7 @@ class Sync:
         /,
     ) -> int: ...
     def phase(self, post: int, limit: float, /) -> int: ...
-    def chunk(
+    def rounds(
         self,
         post: int,
         array: Any,
@@ -39,8 +39,9 @@ class Sync:
         avg: bool,
         limit: float,
         sleep: float,
+        per: int,
         /,
-    ) -> int: ...
+    ) -> tuple[int, int]: ...
     def zero_copy(
         self,
         code: int,

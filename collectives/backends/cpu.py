@@ -13,7 +13,7 @@ Design (after DeepSpeed's SHM all-reduce):
   slice* of the chunk from every rank's slot into its result area (fixed order 0..n-1), posts,
   then copies every rank's reduced slice into its output. Every element is reduced exactly once,
   in rank order, so results are bitwise identical on every rank and from run to run. With the
-  compiled helper a round is one C call (``Lockstep.reduce_chunk``), and short rounds when
+  compiled helper the rounds are one C call (``Lockstep.reduce_rounds``), and short rounds when
   every rank has it (see ``_COMPILED``). Small messages use one phase: every rank reduces
   everything in the same fixed order.
 * Zero copy: arrays from :meth:`ProcessGroup.alloc` live in shared memory that every rank maps;
@@ -301,26 +301,35 @@ class CpuBackend(Backend):
         in rounds of ``per_bytes`` (default: the chunk).
 
         With ``first_done`` the signature post happened already and carried no data, so the
-        first chunk's data goes out with a plain post. ``code`` >= 0 (an all-reduce only):
-        each round is one compiled call (``Lockstep.reduce_chunk``, the same posts as here).
+        first chunk's data goes out with a plain post. ``code`` >= 0 (an all-reduce only): the
+        rounds are compiled (``Lockstep.reduce_rounds``, the same posts as here), one call
+        for all of them unless a wait is long; this loop finishes a round it left.
         """
         dt = flat.dtype
         isz = dt.itemsize
         per = max((per_bytes or self.chunk) // isz, 1)
-        total = flat.size
         me, op, n = self.rank, req.reduce_op, self.size
         assert op is not None
         sync = self.sync
-        for i, (start, m) in enumerate(_chunks(total, per)):
+        rounds = list(_chunks(flat.size, per))
+        i = 0
+        while i < len(rounds):
+            left = 0
+            if code >= 0:
+                rest = flat[rounds[i][0] :]
+                done, left = sync.reduce_rounds(req, rest, self._slot_parity, code, per)
+                self._slot_parity ^= done & 1
+                i += done
+                if left == 2:
+                    return
+            start, m = rounds[i]
+            i += 1
             par = self._next_slot()
             chunk = flat[start : start + m]
-            left = 0 if code < 0 else sync.reduce_chunk(req, chunk, par, code)
-            if left == 2:
-                continue
             bounds = self._slices(m)
             if left == 0:
                 if code < 0:
-                    self._stage(req, chunk, par, bounds, i == 0 and not first_done)
+                    self._stage(req, chunk, par, bounds, start == 0 and not first_done)
                 lo, hi = bounds[me]
                 if hi > lo:
                     sources = [

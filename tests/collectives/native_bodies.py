@@ -47,16 +47,36 @@ def wild(seed: int, rank: int, size: int, dtype: str) -> np.ndarray[Any, Any]:
     return rng.integers(info.min, info.max, size, dtype=dt, endpoint=True)
 
 
-def same_bits(seed: int, sizes: list[int], zero_copy: bool = False) -> dict[str, Any]:
+def same_bits(
+    seed: int, sizes: list[int], zero_copy: bool = False, impatient: bool = False
+) -> dict[str, Any]:
     """Every case of :data:`CASES` at every size, all_reduced twice: through the compiled
     helper, then (every rank switched over between the calls) in pure Python. Both must equal
     the in-order NumPy reduction bit for bit (NaNs where it has NaNs). ``zero_copy``: the
-    arrays live in shared memory (``C.alloc``), so large ones take the zero-copy path."""
+    arrays live in shared memory (``C.alloc``), so large ones take the zero-copy path.
+    ``impatient``: the helper hands every wait that is not over at once to Python, so the
+    compiled rounds of a large all-reduce stop part way and Python finishes the round and
+    resumes them (``partial`` counts the calls that stopped early)."""
     backend: Any = C.get_default_group().backend
     sync = backend.sync
     native = sync.native
     rank, n = C.get_rank(), C.get_world_size()
     checked = 0
+    partial = 0
+    if impatient:
+        from collectives.backends import _cpu_sync
+
+        saved = sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP
+        sync.spin = sync.yield_time = _cpu_sync._CHUNK_SLEEP = 0.0
+        rounds = sync.reduce_rounds
+
+        def counted(*args: Any) -> tuple[int, int]:
+            nonlocal partial
+            done, left = rounds(*args)
+            partial += left != 2
+            return done, left
+
+        sync.reduce_rounds = counted
     # One allocation for every case (each alloc maps a segment per rank).
     shared = C.alloc(8 * max(sizes), "uint8") if zero_copy else None
     try:
@@ -89,4 +109,7 @@ def same_bits(seed: int, sizes: list[int], zero_copy: bool = False) -> dict[str,
                     checked += size
     finally:
         sync.native = native
-    return {"native": native is not None, "checked": checked}
+        if impatient:
+            del sync.reduce_rounds
+            sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP = saved
+    return {"native": native is not None, "checked": checked, "partial": partial}

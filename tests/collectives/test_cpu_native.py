@@ -69,23 +69,36 @@ def test_compiled_and_python_results_are_bitwise_equal(
 
 @needs_helper
 @pytest.mark.parametrize(
-    "chunk,sizes,zero_copy",
-    [(8192, [2049, 20_011], False), (8192, [2049, 20_011], True), (0, [200_003], False)],
-    ids=["staged", "zero-copy", "short-rounds"],
+    "chunk,sizes,zero_copy,impatient",
+    [
+        (8192, [2049, 20_011], False, False),
+        (8192, [2049, 20_011], True, False),
+        (0, [200_003], False, False),
+        (8192, [20_011], False, True),
+    ],
+    ids=["staged", "zero-copy", "short-rounds", "rounds-left-to-python"],
 )
 def test_large_all_reduce_is_bitwise_equal_on_both_paths(
-    pool_cache: PoolCache, seed: int, chunk: int, sizes: list[int], zero_copy: bool
+    pool_cache: PoolCache,
+    seed: int,
+    chunk: int,
+    sizes: list[int],
+    zero_copy: bool,
+    impatient: bool,
 ) -> None:
     """Above the small-message size, in rounds of 8 KiB staging chunks (many chunks, odd
     lengths, slices of unequal size at 3 ranks) or of the compiled path's short rounds
     (default chunk; Python takes whole chunks): the compiled rounds and the zero-copy helper
-    give NumPy's in-order result bit for bit, as the Python path does."""
+    give NumPy's in-order result bit for bit, as the Python path does; also when the compiled
+    rounds stop at a wait and Python finishes the round and resumes them."""
     env = (("DPT_CPU_CHUNK_BYTES", str(chunk)),) if chunk else ()
     pool = pool_cache.get(PoolSpec("cpu", 3, env, tag=f"chunk{chunk}" if chunk else ""))
-    kw = {"seed": seed, "sizes": sizes, "zero_copy": zero_copy}
+    kw = {"seed": seed, "sizes": sizes, "zero_copy": zero_copy, "impatient": impatient}
     got = pool.run("native_bodies:same_bits", kw)
     assert all(g["native"] for g in got), got
     assert {g["checked"] for g in got} == {got[0]["checked"]} and got[0]["checked"] > 0
+    if impatient:
+        assert sum(g["partial"] for g in got) > 0, got
 
 
 @needs_helper
