@@ -63,6 +63,13 @@ class ProcessGroup:
         self._p2p: dict[tuple[str, int], int] = {}
         # (dtype, shape, op) of host arrays that passed all_reduce's checks -> its signature.
         self._checked: dict[tuple[Any, tuple[int, ...], Any], Signature] = {}
+        # The last hit or entry of _checked: (dtype, shape, op, signature).
+        self._last_checked: tuple[Any, tuple[int, ...], Any, Signature | None] = (
+            None,
+            (),
+            None,
+            None,
+        )
         self._lock = threading.RLock()
         # The one thread that issues this group's calls (see _not_owner): the creator, or
         # the thread given the group with bind_thread(). Checked by ident, first thing.
@@ -316,17 +323,27 @@ class ProcessGroup:
         # group checked before needs only the checks that can change between calls.
         arr = x.data if type(x) is Tensor else x
         if type(arr) is np.ndarray:
-            sig = self._checked.get((arr.dtype, arr.shape, op))
+            # The same objects as the last call's first (a dict lookup hashes the ReduceOp, a
+            # Python-level call), then any checked before.
+            last = self._last_checked
+            if arr.dtype is last[0] and op is last[2] and arr.shape == last[1]:
+                sig = last[3]
+            else:
+                sig = self._checked.get((arr.dtype, arr.shape, op))
+                if sig is not None:
+                    self._last_checked = (arr.dtype, arr.shape, op, sig)
             if sig is not None:
                 flags = arr.flags
                 if flags.c_contiguous and flags.writeable:
-                    req = Request("all_reduce", 0, sig, array=arr, reduce_op=sig.reduce_op)
+                    # Positional: a dataclass built from keywords costs ~3x as much.
+                    req = Request("all_reduce", 0, sig, arr, None, sig.reduce_op)
                     return self._issue(req, async_op, lambda: x)
         a = self._arg("all_reduce", x, writable=True)
         rop = self._reduce_op("all_reduce", op, a.array)
         sig = Signature("all_reduce", a.array.dtype, tuple(a.array.shape), -1, rop)
         if type(a.array) is np.ndarray and len(self._checked) < _CHECKED_MAX:
             self._checked[(a.array.dtype, a.array.shape, op)] = sig
+            self._last_checked = (a.array.dtype, a.array.shape, op, sig)
         req = Request("all_reduce", 0, sig, array=a.array, reduce_op=rop)
         return self._issue(req, async_op, lambda: self._give_back(a))
 
