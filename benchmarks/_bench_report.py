@@ -1,7 +1,7 @@
 """allreduce-bench's report: the nccl-tests table on stdout, its notes, the JSON and the plot.
 
 The table's columns are nccl-tests' (size, count, type, redop, root, time, algbw, busbw,
-#wrong), then the limit at that size (one memory copy of the buffer per rank, timed in the
+#wrong), then the limit at that size (one in-place pass over the buffer per rank, timed in the
 same ranks: ``_bench_math``) and the row's share of it, with ``--busy-main`` the idle-main
 time and busy/idle, then per peer its time, busbw, #wrong, share of its own limit and its
 time as a ratio of ours. The footer states average and peak busbw per engine and the range
@@ -99,7 +99,11 @@ def table(ours: str, results: dict[str, Any], args: argparse.Namespace, n: int) 
         if busy
         else ("async" if args.async_op else "blocking")
     )
-    lim = "device copy" if args.device == "cuda" or ours == "nccl" else "memory copy"
+    lim = (
+        "device-to-device copy"
+        if args.device == "cuda" or ours == "nccl"
+        else "in-place pass (read and write every byte)"
+    )
     lines = [
         f"# allreduce-bench: {args.op}, engine {ours}, {n} ranks, {args.dtype}, {mode}, "
         f"busbw = algbw * {factor:g}, time = slowest rank, median of {args.blocks} blocks; "
@@ -134,7 +138,7 @@ def table(ours: str, results: dict[str, Any], args: argparse.Namespace, n: int) 
     lines.append(
         "# %lim = the limit's time / the row's time (each engine against the limit timed in "
         "its own ranks); the limit reads and writes the buffer once, in place, as an "
-        "all-reduce must at least"
+        "all-reduce must at least, and writes only lines it just read (no read for ownership)"
     )
     over = []
     for e, res in results.items():
@@ -192,7 +196,7 @@ def plot(path: str, results: dict[str, Any], args: argparse.Namespace, n: int) -
     limit = [
         max(res["rows"][i]["limit_busbw"] for res in results.values()) for i in range(len(first))
     ]
-    ax.plot([r["size"] for r in first], limit, "k--", label="limit: one memory copy per rank")
+    ax.plot([r["size"] for r in first], limit, "k--", label="limit: one in-place pass per rank")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("busbw (GB/s)")

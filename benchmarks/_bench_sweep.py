@@ -9,7 +9,7 @@ buffer is checked against that fixed point. ``check`` then runs the collective o
 differs per rank and per iteration (small positive integers, exact in every dtype, never
 zeros) and counts the elements that differ from the expected value computed here in float64.
 
-The limit at each size (``_bench_math.limit_copy``) is timed the same way in the same ranks:
+The limit at each size (``_bench_math.limit_pass``) is timed the same way in the same ranks:
 the same blocks and calls, every rank at once, the slowest rank's block.
 
 ``--busy-main``: each call is issued asynchronously; rank 0's main thread then runs pure
@@ -37,7 +37,7 @@ from benchmarks._bench_math import (
     gpu_copy_bandwidth,
     human,
     limit_buffer,
-    limit_copy,
+    limit_pass,
     sizes,
 )
 
@@ -230,20 +230,20 @@ def _busy_blocks(
 def _limit_blocks(
     eng: Engine, args: argparse.Namespace, nbytes: int, iters: int, device: bool
 ) -> np.ndarray[Any, Any]:
-    """Seconds per limit copy of ``nbytes`` (see ``_bench_math``), per block, timed like the
-    collective: every rank at once after a barrier, ``iters`` copies a block."""
+    """Seconds per limit pass over ``nbytes`` (see ``_bench_math``), per block, timed like
+    the collective: every rank at once after a barrier, ``iters`` passes a block."""
     blocks = np.zeros(args.blocks, dtype=np.float64)
     if device:  # a device-to-device copy of this size, timed on the GPU
         blocks[:] = nbytes / (gpu_copy_bandwidth(nbytes) * 1e9)
         return blocks
     buf = limit_buffer(nbytes)
     for _ in range(args.warmup_iters):
-        limit_copy(buf)
+        limit_pass(buf)
     for b in range(args.blocks):
         eng.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
-            limit_copy(buf)
+            limit_pass(buf)
         blocks[b] = (time.perf_counter() - t0) / iters
     return blocks
 

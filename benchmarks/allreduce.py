@@ -19,9 +19,9 @@ and reduce_scatter (n-1)/n, broadcast and reduce 1): what each rank's link carri
 comparable across world sizes and with the hardware's bandwidth. ``--check`` then runs each
 collective on data that differs per rank and per iteration (never zeros) and counts wrong
 elements (#wrong, summed over ranks). Each row gives its share of the limit at that size:
-one memory copy of the buffer per rank, all ranks at once, warm and in place as the
-collective touches it (on GPU a device-to-device copy), timed in the same ranks right after
-it. Exit status: 0, 1 when any element was wrong, 2 for impossible requests.
+one in-place pass over the buffer per rank (read and write every byte), all ranks at once,
+warm as the collective touches it (on GPU a device-to-device copy), timed in the same ranks
+right after it. Exit status: 0, 1 when any element was wrong, 2 for impossible requests.
 """
 
 from __future__ import annotations
