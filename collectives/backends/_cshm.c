@@ -40,6 +40,14 @@
 #define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
 #define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer has not posted it yet */
 
+/* The loops that move and reduce data, built twice where the compiler can (GCC, x86-64): with
+ * AVX2 and for the baseline; the loader picks the one this CPU runs. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+
 /* Bytes per block of a slice's reduction: the result is copied on while still in cache. */
 #define BLOCK (64 << 10)
 
@@ -135,7 +143,7 @@ static int wait_all(SyncObject *s, uint32_t target, double limit) {
 /* ---------------------------------------------------------------------------- reductions */
 /* One pass per source, as NumPy's ``uf(s0, s1, out=out); uf(out, s2, out=out)...``. */
 #define REDUCER(NAME, T, EXPR)                                                     \
-    static void NAME(char *out_, char **src_, int n, size_t count) {               \
+    WIDE static void NAME(char *out_, char **src_, int n, size_t count) {          \
         T *out = (T *)out_;                                                        \
         const T *a = (const T *)src_[0], *b = (const T *)src_[1];                  \
         for (size_t i = 0; i < count; i++) {                                       \
@@ -354,7 +362,7 @@ static PyObject *Sync_phase(SyncObject *s, PyObject *const *args, Py_ssize_t nar
 /* A plain copy loop (vectorized by the compiler) rather than memcpy: glibc's memcpy of these
  * sizes uses ``rep movsb``, which on this AMD VM ran 2-5x slower on buffers the peer reads
  * or wrote just before (4 MiB all-reduce: the copy of the peers' slices 1160 us, this 305). */
-static void copy(char *dst, const char *src, size_t nb) {
+WIDE static void copy(char *dst, const char *src, size_t nb) {
     size_t k = nb / 8;
     uint64_t *d = (uint64_t *)dst;
     const uint64_t *s = (const uint64_t *)src;
