@@ -37,10 +37,10 @@ from .._errors import (
     CollectiveMismatchError,
     where,
 )
-from .._exit import on_uncaught
 from .._registry import register_backend
 from .._signature import describe_record, record_bytes, same_p2p_call
 from .._types import ReduceOp
+from . import _cpu_last_words as last_words
 from . import _shm
 from ._cpu_layout import (
     ABORT_CLOSED,
@@ -57,12 +57,11 @@ from ._cpu_shared import SharedArrays
 from ._cpu_sync import Lockstep, abort_kind, native_module
 from ._proc import host_id
 from ._reduce import reduce_in_order
-from ._setup_wait import SetupWatch, register_last_words, setup_op
+from ._setup_wait import SetupWatch, setup_op
 from ._shm import Segment
 
 __all__ = ["CpuBackend"]
 
-_UNCAUGHT = "uncaught "  # how an abort reason says the rank's process is ending
 _ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
 # A large all-reduce's location flag bit: this rank runs the compiled rounds. If all do, one
 # over 1 MiB goes in rounds of _COMPILED_ROUND bytes (data stays in cache; a compiled phase is
@@ -134,8 +133,7 @@ class CpuBackend(Backend):
         self.mine = own_view
         self.sync = Lockstep(info, self.views, native)
         if n > 1:
-            _LIVE.add(self)
-            on_uncaught(_tell_peers_uncaught)
+            last_words.track(self)
 
     # ------------------------------------------------------------------ setup
     def _exchange(self, seg: Segment, what: str, watch: SetupWatch) -> list[Segment]:
@@ -550,7 +548,7 @@ class CpuBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        last_words.forget(self)
         if self.error is None and self.size > 1 and not self.mine.hdr[W_ABORT]:
             # Peers still waiting on this rank fail now instead of at their timeout. (A reason
             # told already, an uncaught exception's, stays: it says more than "destroyed".)
@@ -561,31 +559,6 @@ class CpuBackend(Backend):
             self._own.unlink()
 
 
-_LIVE: set[CpuBackend] = set()
-
-
-def _last_words() -> dict[int, str]:
-    """Global rank -> the reason it gave, in a group this process shares with it, for ending
-    (an uncaught exception: see below). A setup wait quotes it."""
-    said: dict[int, str] = {}
-    for b in list(_LIVE):
-        for q, view in enumerate(b.views):
-            if q != b.rank and view.hdr[W_ABORT]:
-                reason = view.abort_reason()
-                if reason.startswith(_UNCAUGHT):
-                    said.setdefault(b.info.ranks[q], reason)
-    return said
-
-
-def _tell_peers_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-    # An uncaught exception is about to end this process: tell the peers why, so they report
-    # "rank 1 failed: ValueError: ..." instead of only noticing that the process is gone.
-    for b in list(_LIVE):
-        with contextlib.suppress(Exception):
-            b.sync.set_abort(f"{_UNCAUGHT}{tp.__name__}: {value}")
-
-
-register_last_words(_last_words)
 register_backend(
     "cpu",
     CpuBackend,
