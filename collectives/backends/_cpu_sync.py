@@ -59,6 +59,7 @@ _NATIVE_ENV = "DPT_CPU_NATIVE"
 # What _cshm's begin() and phase() return (see _cshm.c).
 RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
 RC_WAIT2 = 5
+RC_BEGUN = 6  # begin_rounds(): posted and checked, some rank runs Python
 # The compiled reductions: dtype index * 4 + op index (the table in _cshm.c).
 _NATIVE_DTYPES = ["float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "uint64"]
 _NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2}
@@ -223,18 +224,47 @@ class Lockstep:
         avg = req.reduce_op is ReduceOp.AVG
         # It raises (a bad argument) before it posts anything; then the count stays.
         rc, done = self.native.rounds(p, rest, par, code, avg, self._limit(req), _CHUNK_SLEEP, per)
-        p += 2 * done
+        return done, self._after_rounds(req, rc, done, p)
+
+    def begin_rounds(
+        self, req: Request, flat: Any, loc: tuple[int, int, int, int], par: int, code: int, per: int
+    ) -> tuple[int, int, int]:
+        """A staged large all-reduce's first post (data location ``loc``) and, when every rank
+        runs the compiled rounds, its rounds (as :meth:`reduce_rounds`), in one compiled call
+        (``_cshm`` begin_rounds()). Returns ``(post, done, left)``: the first post's number;
+        ``done`` -1 when the rounds did not start (the post is checked, as :meth:`begin`'s:
+        the caller picks the protocol), else as :meth:`reduce_rounds`."""
+        rec = self._located(req, loc)
+        p = self._posts + 1
+        avg = req.reduce_op is ReduceOp.AVG
+        limit = self._limit(req)
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc, done = self.native.begin_rounds(
+            p, req.seq, rec, flat, par, code, avg, limit, _CHUNK_SLEEP, per
+        )
+        self._posts = p
+        if done < 0:
+            if rc != RC_BEGUN:
+                self._settle(req, p, rec)
+            return p, -1, 0
+        return p, done, self._after_rounds(req, rc, done, p + 1)
+
+    def _after_rounds(self, req: Request, rc: int, done: int, first: int) -> int:
+        """Count the posts of compiled rounds that began at post ``first`` and returned
+        ``rc`` after ``done`` whole rounds; wait in Python for the one left unfinished.
+        Returns what is left of it (see :meth:`reduce_rounds`)."""
+        p = first + 2 * done
         if rc == RC_DONE:
             self._posts = p - 1
-            return done, 2
+            return 2
         if rc == RC_WAIT:
             self._posts = p
             self.wait_all(p, req)
-            return done, 0
+            return 0
         assert rc == RC_WAIT2, rc
         self._posts = p + 1
         self.wait_all(p + 1, req)
-        return done, 1
+        return 1
 
     def _limit(self, req: Request) -> float:
         """How long the helper waits before handing the wait to :meth:`wait_word`: as long as

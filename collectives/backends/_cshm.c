@@ -39,6 +39,10 @@
 #define RC_MISMATCH 3   /* a peer's signature differs: Python reports it */
 #define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
 #define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer has not posted it yet */
+#define RC_BEGUN 6      /* begin_rounds(): posted and checked, but some rank runs Python */
+
+/* A large all-reduce's location flag bit (cpu.py's _COMPILED): the rank runs the compiled rounds. */
+#define LOC_COMPILED 2
 
 /* The loops that move and reduce data, built twice where the compiler can (GCC, x86-64): with
  * AVX2 and for the baseline; the loader picks the one this CPU runs. */
@@ -280,6 +284,15 @@ WIDE static void copy(char *dst, const char *src, size_t nb) {
     memcpy(dst + 8 * k, src + 8 * k, nb - 8 * k);
 }
 
+/* Post ``target``'s signature slot: ``seq`` as 8 little-endian bytes, then ``rec`` (the rest of
+ * the record and the data location, SIG_SLOT - 8 bytes). */
+static void write_signature(SyncObject *s, uint32_t target, unsigned long long seq,
+                            const char *rec) {
+    char *sig = (char *)s->hdr[s->rank] + H_SIG + (size_t)(target & 1) * SIG_SLOT;
+    for (int i = 0; i < 8; i++) sig[i] = (char)((seq >> (8 * i)) & 0xFF);
+    memcpy(sig + 8, rec, SIG_SLOT - 8);
+}
+
 /* After every peer posted ``p``: compare signatures, then look for aborts. */
 static int check(SyncObject *s, uint32_t p) {
     size_t off = H_SIG + (size_t)(p & 1) * SIG_SLOT;
@@ -330,9 +343,7 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     uint32_t target = (uint32_t)p;
     Py_BEGIN_ALLOW_THREADS
     if (have && view.len) copy(s->slot[par][s->rank], view.buf, (size_t)view.len);
-    char *sig = (char *)s->hdr[s->rank] + H_SIG + (size_t)(target & 1) * SIG_SLOT;
-    for (int i = 0; i < 8; i++) sig[i] = (char)((seq >> (8 * i)) & 0xFF);
-    memcpy(sig + 8, recp, SIG_SLOT - 8);
+    write_signature(s, target, seq, recp);
     post(s, target);
     if (!wait_all(s, target, limit)) {
         rc = RC_WAIT;
@@ -398,61 +409,28 @@ static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *o
     }
 }
 
-/* rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done)
- *
- * The rounds of the large all-reduce (cpu.py's _all_reduce_chunks) over the C-contiguous
- * ``array``, ``per`` items each (the last one shorter), round r in staging slot
- * ``parity + r`` (mod 2) with posts ``post + 2r`` and ``post + 2r + 1``. A round: copy the
- * peers' slices into the slot, post, wait, reduce this rank's slice from every rank's slot
- * (its own straight from the array) into its result area and into the array, post, wait, copy
- * the peers' reduced slices into the array. Slices as cpu.py's _slices. All rounds run with
- * the GIL released once: on the communication thread each return to Python would wait for a
- * busy main thread to drop the GIL. A wait not over within ``limit`` seconds of spinning and
- * yielding and ``sleep`` seconds asleep on the futex stops the rounds: ``done`` rounds are
- * complete, and round ``done`` has RC_WAIT (its first post out) or RC_WAIT2 (both out,
- * reduced) left for Python; (RC_DONE, number of rounds) when all completed. */
-static PyObject *Sync_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "rounds() takes 8 arguments");
-        return NULL;
-    }
-    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
-    int par0 = PyLong_AsLong(args[2]) & 1;
-    long code = PyLong_AsLong(args[3]);
-    int avg = PyObject_IsTrue(args[4]);
-    double limit = PyFloat_AsDouble(args[5]);
-    double sleep = PyFloat_AsDouble(args[6]);
-    Py_ssize_t per_items = PyLong_AsSsize_t(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (avg && code != 0 && code != 4)) {
-        PyErr_Format(PyExc_ValueError, "rounds(): no compiled reduction for code %ld", code);
-        return NULL;
-    }
-    if (per_items <= 0) {
-        PyErr_SetString(PyExc_ValueError, "rounds(): per must be positive");
-        return NULL;
-    }
-    Py_buffer view = {0};
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    reducer fn = REDUCERS[code];
-    size_t isz = (size_t)view.itemsize, total = (size_t)view.len / isz, per = (size_t)per_items;
+/* The rounds of the large all-reduce (cpu.py's _all_reduce_chunks) over ``total`` items of
+ * ``buf``, ``per`` items each (the last one shorter), round r in staging slot ``par0 + r``
+ * (mod 2) with posts ``p + 2r`` and ``p + 2r + 1``. A round: copy the peers' slices into the
+ * slot, post, wait, reduce this rank's slice from every rank's slot (its own straight from
+ * the array) into its result area and into the array, post, wait, copy the peers' reduced
+ * slices into the array. Slices as cpu.py's _slices. A wait not over within ``limit`` seconds
+ * of spinning and yielding and ``sleep`` seconds asleep on the futex stops the rounds:
+ * ``*done`` rounds are complete, and round ``*done`` has RC_WAIT (its first post out) or
+ * RC_WAIT2 (both out, reduced) left for Python; RC_DONE when all completed. Called with the
+ * GIL released; ``sp`` has room for n pointers. */
+static int run_rounds(SyncObject *s, reducer fn, long code, int avg, char *buf, size_t total,
+                      size_t isz, size_t per, int par0, unsigned long long p, double limit,
+                      double sleep, char **sp, long *done) {
     int n = s->n, me = s->rank;
+    long r = 0;
     int rc = RC_DONE;
-    long done = 0;
-    char *src[64];
-    char **sp = n <= 64 ? src : PyMem_RawMalloc(sizeof(char *) * n);
-    if (sp == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
     /* One empty round for an empty array: every rank still posts. */
-    for (size_t start = 0; start < total || (total == 0 && done == 0); start += per, done++) {
+    for (size_t start = 0; start < total || (total == 0 && r == 0); start += per, r++) {
         size_t m = total - start < per ? total - start : per;
-        int par = (par0 + (int)(done & 1)) & 1;
-        uint32_t target = (uint32_t)(p + 2 * (unsigned long long)done);
-        char *arr = (char *)view.buf + start * isz;
+        int par = (par0 + (int)(r & 1)) & 1;
+        uint32_t target = (uint32_t)(p + 2 * (unsigned long long)r);
+        char *arr = buf + start * isz;
         char *mine = s->slot[par][me];
         for (int q = 0; q < n; q++) {
             size_t lo = m * q / n, hi = m * (q + 1) / n;
@@ -479,9 +457,138 @@ static PyObject *Sync_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t na
             if (q != me && b > a) copy(arr + a * isz, s->res[q] + a * isz, (b - a) * isz);
         }
     }
+    *done = r;
+    return rc;
+}
+
+/* The arguments rounds() and begin_rounds() share, from ``a`` on: array, parity, code, avg,
+ * limit, sleep, per. 0, or -1 with an exception set (nothing was written). */
+typedef struct {
+    Py_buffer view;
+    int par;
+    long code;
+    int avg;
+    double limit, sleep;
+    size_t per;
+    reducer fn;
+    char **sp;
+    char *src[64];
+} RoundArgs;
+
+static int round_args(SyncObject *s, PyObject *const *a, RoundArgs *ra, const char *what) {
+    ra->par = PyLong_AsLong(a[1]) & 1;
+    ra->code = PyLong_AsLong(a[2]);
+    ra->avg = PyObject_IsTrue(a[3]);
+    ra->limit = PyFloat_AsDouble(a[4]);
+    ra->sleep = PyFloat_AsDouble(a[5]);
+    Py_ssize_t per = PyLong_AsSsize_t(a[6]);
+    if (PyErr_Occurred()) return -1;
+    long code = ra->code;
+    if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (ra->avg && code != 0 && code != 4)) {
+        PyErr_Format(PyExc_ValueError, "%s(): no compiled reduction for code %ld", what, code);
+        return -1;
+    }
+    if (per <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): per must be positive", what);
+        return -1;
+    }
+    ra->per = (size_t)per;
+    ra->fn = REDUCERS[code];
+    ra->sp = s->n <= 64 ? ra->src : PyMem_RawMalloc(sizeof(char *) * s->n);
+    if (ra->sp == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (PyObject_GetBuffer(a[0], &ra->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (ra->sp != ra->src) PyMem_RawFree(ra->sp);
+        return -1;
+    }
+    return 0;
+}
+
+static void round_args_release(RoundArgs *ra) {
+    if (ra->sp != ra->src) PyMem_RawFree(ra->sp);
+    PyBuffer_Release(&ra->view);
+}
+
+/* rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done)
+ *
+ * run_rounds() over the C-contiguous ``array`` from post ``post``, with the GIL released once:
+ * on the communication thread each return to Python would wait for a busy main thread to drop
+ * the GIL. (RC_DONE, number of rounds) when all completed, else as run_rounds(). */
+static PyObject *Sync_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "rounds() takes 8 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    RoundArgs ra;
+    if (round_args(s, args + 1, &ra, "rounds") < 0) return NULL;
+    size_t isz = (size_t)ra.view.itemsize;
+    long done = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf, (size_t)ra.view.len / isz,
+                    isz, ra.per, ra.par, p, ra.limit, ra.sleep, ra.sp, &done);
     Py_END_ALLOW_THREADS
-    if (sp != src) PyMem_RawFree(sp);
-    PyBuffer_Release(&view);
+    round_args_release(&ra);
+    return Py_BuildValue("(il)", rc, done);
+}
+
+/* begin_rounds(post, seq, record, array, parity, code, avg, limit, sleep, per) -> (rc, done)
+ *
+ * A staged large all-reduce from its first post on, in one call: the signature record (as
+ * begin(), its data location saying this rank stages and runs the compiled rounds), post
+ * ``post``, wait (``limit``), check; then, when every rank's location says it runs the
+ * compiled rounds too, rounds() from post ``post + 1``. Without this, the Python between the
+ * two calls ran on caches the previous call's data had evicted: 10-15 us of a 1 MiB call.
+ * Returns (rc, -1) when the rounds did not start: RC_WAIT, RC_MISMATCH or RC_ABORTED as
+ * begin(), or RC_BEGUN (posted and checked, some rank runs Python: Python goes on); else
+ * rounds()' result. */
+static PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "begin_rounds() takes 10 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *rec = args[2];
+    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8) {
+        PyErr_Format(PyExc_ValueError, "begin_rounds(): the record must be %d bytes",
+                     SIG_SLOT - 8);
+        return NULL;
+    }
+    RoundArgs ra;
+    if (round_args(s, args + 3, &ra, "begin_rounds") < 0) return NULL;
+    const char *recp = PyBytes_AS_STRING(rec);
+    size_t isz = (size_t)ra.view.itemsize;
+    long done = -1;
+    int rc;
+    uint32_t target = (uint32_t)p;
+    Py_BEGIN_ALLOW_THREADS
+    write_signature(s, target, seq, recp);
+    post(s, target);
+    if (!wait_all(s, target, ra.limit)) {
+        rc = RC_WAIT;
+    } else {
+        rc = check(s, target);
+        if (rc == RC_DONE) {
+            size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES;
+            for (int q = 0; q < s->n && rc == RC_DONE; q++) {
+                int64_t flag;
+                memcpy(&flag, (const char *)s->hdr[q] + off, sizeof flag);
+                if (!(flag & LOC_COMPILED)) rc = RC_BEGUN;
+            }
+        }
+        if (rc == RC_DONE)
+            rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf,
+                            (size_t)ra.view.len / isz, isz, ra.per, ra.par, p + 1, ra.limit,
+                            ra.sleep, ra.sp, &done);
+    }
+    Py_END_ALLOW_THREADS
+    round_args_release(&ra);
     return Py_BuildValue("(il)", rc, done);
 }
 
@@ -542,6 +649,9 @@ static PyMethodDef Sync_methods[] = {
     {"rounds", (PyCFunction)(void (*)(void))Sync_rounds, METH_FASTCALL,
      "rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done): the large "
      "all-reduce's rounds."},
+    {"begin_rounds", (PyCFunction)(void (*)(void))Sync_begin_rounds, METH_FASTCALL,
+     "begin_rounds(post, seq, record, array, parity, code, avg, limit, sleep, per) -> (rc, "
+     "done): a staged large all-reduce's first post and rounds."},
     {"zero_copy", (PyCFunction)(void (*)(void))Sync_zero_copy, METH_FASTCALL,
      "zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block): the zero-copy slice's work."},
     {NULL, NULL, 0, NULL},

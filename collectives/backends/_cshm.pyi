@@ -42,6 +42,20 @@ class Sync:
         per: int,
         /,
     ) -> tuple[int, int]: ...
+    def begin_rounds(
+        self,
+        post: int,
+        seq: int,
+        record: bytes,
+        array: Any,
+        parity: int,
+        code: int,
+        avg: bool,
+        limit: float,
+        sleep: float,
+        per: int,
+        /,
+    ) -> tuple[int, int]: ...
     def zero_copy(
         self,
         code: int,

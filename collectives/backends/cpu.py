@@ -245,14 +245,30 @@ class CpuBackend(Backend):
         # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
         code = -1 if sync.native is None else sync.chunk_code(req.signature)
         loc = self.shared.location(arr) or NO_LOCATION
+        short = flat.nbytes > _SHORT_ABOVE
+        post = -1
         if code >= 0:
             loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
-        post = sync.begin(req, loc)
+            if not loc[0] & 1:
+                # Staged, compiled: the first post and (every rank compiled) the rounds in one
+                # call; Python between them would run on caches the last call's data evicted.
+                per_bytes = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
+                per = max(per_bytes // flat.dtype.itemsize, 1)
+                post, done, left = sync.begin_rounds(req, flat, loc, self._slot_parity, code, per)
+                if done >= 0:
+                    self._slot_parity ^= done & 1
+                    if left != 2:
+                        self._all_reduce_chunks(
+                            req, flat, True, code=code, per_bytes=per_bytes, resume=(done, left)
+                        )
+                    return
+        if post < 0:
+            post = sync.begin(req, loc)
         locs = sync.locations(post)
         if all(entry[0] & 1 for entry in locs):
             self._all_reduce_zero_copy(req, flat, locs, code)
         else:
-            short = flat.nbytes > _SHORT_ABOVE and all(e[0] & _COMPILED for e in locs)
+            short = short and all(e[0] & _COMPILED for e in locs)
             per = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
             self._all_reduce_chunks(req, flat, first_done=True, code=code, per_bytes=per)
 
@@ -294,6 +310,7 @@ class CpuBackend(Backend):
         gather_to: int = -1,
         code: int = -1,
         per_bytes: int = 0,
+        resume: tuple[int, int] | None = None,
     ) -> None:
         """Chunked reduce (each rank reduces its slice) then gather (or only to ``gather_to``),
         in rounds of ``per_bytes`` (default: the chunk).
@@ -301,7 +318,8 @@ class CpuBackend(Backend):
         With ``first_done`` the signature post happened already and carried no data, so the
         first chunk's data goes out with a plain post. ``code`` >= 0 (an all-reduce only): the
         rounds are compiled (``Lockstep.reduce_rounds``, the same posts as here), one call
-        for all of them unless a wait is long; this loop finishes a round it left.
+        for all of them unless a wait is long; this loop finishes a round it left. ``resume``
+        ``(done, left)``: compiled rounds ran already, as ``reduce_rounds`` returns them.
         """
         dt = flat.dtype
         isz = dt.itemsize
@@ -310,10 +328,12 @@ class CpuBackend(Backend):
         assert op is not None
         sync = self.sync
         rounds = list(_chunks(flat.size, per))
-        i = 0
+        i, pending = resume if resume is not None else (0, -1)
         while i < len(rounds):
             left = 0
-            if code >= 0:
+            if pending >= 0:
+                left, pending = pending, -1
+            elif code >= 0:
                 rest = flat[rounds[i][0] :]
                 done, left = sync.reduce_rounds(req, rest, self._slot_parity, code, per)
                 self._slot_parity ^= done & 1

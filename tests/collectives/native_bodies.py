@@ -56,7 +56,8 @@ def same_bits(
     arrays live in shared memory (``C.alloc``), so large ones take the zero-copy path.
     ``impatient``: the helper hands every wait that is not over at once to Python, so the
     compiled rounds of a large all-reduce stop part way and Python finishes the round and
-    resumes them (``partial`` counts the calls that stopped early)."""
+    resumes them (``partial`` counts the compiled calls that stopped early or did not start
+    the rounds)."""
     backend: Any = C.get_default_group().backend
     sync = backend.sync
     native = sync.native
@@ -68,7 +69,7 @@ def same_bits(
 
         saved = sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP
         sync.spin = sync.yield_time = _cpu_sync._CHUNK_SLEEP = 0.0
-        rounds = sync.reduce_rounds
+        rounds, begin_rounds = sync.reduce_rounds, sync.begin_rounds
 
         def counted(*args: Any) -> tuple[int, int]:
             nonlocal partial
@@ -76,7 +77,13 @@ def same_bits(
             partial += left != 2
             return done, left
 
-        sync.reduce_rounds = counted
+        def begin_counted(*args: Any) -> tuple[int, int, int]:
+            nonlocal partial
+            post, done, left = begin_rounds(*args)
+            partial += left != 2
+            return post, done, left
+
+        sync.reduce_rounds, sync.begin_rounds = counted, begin_counted
     # One allocation for every case (each alloc maps a segment per rank).
     shared = C.alloc(8 * max(sizes), "uint8") if zero_copy else None
     try:
@@ -110,6 +117,6 @@ def same_bits(
     finally:
         sync.native = native
         if impatient:
-            del sync.reduce_rounds
+            del sync.reduce_rounds, sync.begin_rounds
             sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP = saved
     return {"native": native is not None, "checked": checked, "partial": partial}
