@@ -249,6 +249,42 @@ class Lockstep:
             return p, -1, 0
         return p, done, self._after_rounds(req, rc, done, p + 1)
 
+    def begin_zero_copy(
+        self,
+        req: Request,
+        loc: tuple[int, int, int, int],
+        expected: bytes,
+        code: int,
+        addrs: tuple[int, ...],
+        lo: int,
+        hi: int,
+        itemsize: int,
+        scratch: int,
+        block: int,
+    ) -> int:
+        """A zero-copy all-reduce in one compiled call (``_cshm`` begin_zero_copy()): the
+        first post (data location ``loc``), and when every rank's location is as in
+        ``expected`` (packed, rank order) the reduction over ``addrs`` (as zero_copy()) and
+        the last post. Returns -1 when done, else the first post's number, posted and
+        checked as :meth:`begin`'s (the caller goes on as after it)."""
+        rec = self._located(req, loc)
+        p = self._posts + 1
+        avg = req.reduce_op is ReduceOp.AVG
+        limit = self._limit(req)
+        # It raises (a bad argument) before it posts anything; then the count stays.
+        rc = self.native.begin_zero_copy(
+            p, req.seq, rec, expected, code, avg, addrs, lo, hi, itemsize, scratch, block, limit
+        )
+        if rc in (RC_DONE, RC_WAIT2):
+            self._posts = p + 1
+            if rc == RC_WAIT2:
+                self.wait_all(p + 1, req)
+            return -1
+        self._posts = p
+        if rc != RC_BEGUN:
+            self._settle(req, p, rec)
+        return p
+
     def _after_rounds(self, req: Request, rc: int, done: int, first: int) -> int:
         """Count the posts of compiled rounds that began at post ``first`` and returned
         ``rc`` after ``done`` whole rounds; wait in Python for the one left unfinished.

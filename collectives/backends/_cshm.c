@@ -39,7 +39,7 @@
 #define RC_MISMATCH 3   /* a peer's signature differs: Python reports it */
 #define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
 #define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer has not posted it yet */
-#define RC_BEGUN 6      /* begin_rounds(): posted and checked, but some rank runs Python */
+#define RC_BEGUN 6      /* begin_rounds(), begin_zero_copy(): posted and checked, Python goes on */
 
 /* A large all-reduce's location flag bit (cpu.py's _COMPILED): the rank runs the compiled rounds. */
 #define LOC_COMPILED 2
@@ -592,6 +592,60 @@ static PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssiz
     return Py_BuildValue("(il)", rc, done);
 }
 
+/* zero_copy()'s arguments from ``a`` on: code, avg, arrays, lo, hi, itemsize, scratch, block. */
+typedef struct {
+    long code;
+    int avg;
+    char *arrs[64];
+    size_t lo, hi, isz, block;
+    char *scratch;
+    reducer fn;
+} ZeroCopyArgs;
+
+static int zero_copy_args(SyncObject *s, PyObject *const *a, ZeroCopyArgs *za, const char *what) {
+    za->code = PyLong_AsLong(a[0]);
+    za->avg = PyObject_IsTrue(a[1]);
+    Py_ssize_t lo = PyLong_AsSsize_t(a[3]), hi = PyLong_AsSsize_t(a[4]);
+    Py_ssize_t isz = PyLong_AsSsize_t(a[5]);
+    za->scratch = PyLong_AsVoidPtr(a[6]);
+    Py_ssize_t block = PyLong_AsSsize_t(a[7]);
+    if (PyErr_Occurred()) return -1;
+    long code = za->code;
+    if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (za->avg && code != 0 && code != 4) ||
+        isz <= 0 || lo < 0 || hi < lo || block < isz) {
+        PyErr_Format(PyExc_ValueError, "%s(): bad arguments (code %ld)", what, code);
+        return -1;
+    }
+    if (s->n > 64) {
+        PyErr_Format(PyExc_ValueError, "%s(): at most 64 ranks", what);
+        return -1;
+    }
+    if (addresses(a[2], s->n, (void **)za->arrs, "arrays") < 0) return -1;
+    za->lo = (size_t)lo;
+    za->hi = (size_t)hi;
+    za->isz = (size_t)isz;
+    za->block = (size_t)block;
+    za->fn = REDUCERS[code];
+    return 0;
+}
+
+/* The zero-copy slice's work (see zero_copy()); called with the GIL released. */
+static void zero_copy_slice(SyncObject *s, const ZeroCopyArgs *za) {
+    int n = s->n, me = s->rank;
+    size_t per = za->block / za->isz;
+    char *src[64];
+    for (size_t start = za->lo; start < za->hi; start += per) {
+        size_t m = za->hi - start < per ? za->hi - start : per;
+        size_t off = start * za->isz, nb = m * za->isz;
+        for (int q = 0; q < n; q++) src[q] = za->arrs[q] + off;
+        char *out = me <= 1 ? src[me] : za->scratch;
+        za->fn(out, src, n, m);
+        if (za->avg) divide(out, za->code, m, n);
+        for (int q = 0; q < n; q++)
+            if (src[q] != out) copy(src[q], out, nb);
+    }
+}
+
 /* zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block) -> None
  *
  * The zero-copy all-reduce's work for this rank's slice [lo, hi) (items): reduce every rank's
@@ -604,41 +658,62 @@ static PyObject *Sync_zero_copy(SyncObject *s, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "zero_copy() takes 8 arguments");
         return NULL;
     }
-    long code = PyLong_AsLong(args[0]);
-    int avg = PyObject_IsTrue(args[1]);
-    Py_ssize_t lo = PyLong_AsSsize_t(args[3]), hi = PyLong_AsSsize_t(args[4]);
-    Py_ssize_t isz = PyLong_AsSsize_t(args[5]);
-    char *scratch = PyLong_AsVoidPtr(args[6]);
-    Py_ssize_t block = PyLong_AsSsize_t(args[7]);
-    if (PyErr_Occurred()) return NULL;
-    if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (avg && code != 0 && code != 4) ||
-        isz <= 0 || lo < 0 || hi < lo || block < isz) {
-        PyErr_Format(PyExc_ValueError, "zero_copy(): bad arguments (code %ld)", code);
-        return NULL;
-    }
-    int n = s->n, me = s->rank;
-    char *arrs[64];
-    if (n > 64) {
-        PyErr_SetString(PyExc_ValueError, "zero_copy(): at most 64 ranks");
-        return NULL;
-    }
-    if (addresses(args[2], n, (void **)arrs, "arrays") < 0) return NULL;
-    reducer fn = REDUCERS[code];
+    ZeroCopyArgs za;
+    if (zero_copy_args(s, args, &za, "zero_copy") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    size_t per = (size_t)block / (size_t)isz;
-    char *src[64];
-    for (size_t start = (size_t)lo; start < (size_t)hi; start += per) {
-        size_t m = (size_t)hi - start < per ? (size_t)hi - start : per;
-        size_t off = start * (size_t)isz, nb = m * (size_t)isz;
-        for (int q = 0; q < n; q++) src[q] = arrs[q] + off;
-        char *out = me <= 1 ? src[me] : scratch;
-        fn(out, src, n, m);
-        if (avg) divide(out, code, m, n);
-        for (int q = 0; q < n; q++)
-            if (src[q] != out) copy(src[q], out, nb);
-    }
+    zero_copy_slice(s, &za);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* begin_zero_copy(post, seq, record, expected, code, avg, arrays, lo, hi, itemsize, scratch,
+ *                 block, limit) -> rc
+ *
+ * A zero-copy all-reduce in one call: the signature record (as begin()), post ``post``, wait
+ * (``limit``), check; then, when every rank's data location is the one in ``expected`` (the
+ * group's locations packed in rank order, from the call that gave ``arrays``), zero_copy()'s
+ * work, post ``post + 1`` and wait. RC_DONE when done; RC_WAIT2 when all but the last wait
+ * (Python waits); RC_WAIT, RC_MISMATCH or RC_ABORTED as begin(); RC_BEGUN when posted and
+ * checked but some rank's array is elsewhere (Python goes on from the first post). */
+static PyObject *Sync_begin_zero_copy(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "begin_zero_copy() takes 13 arguments");
+        return NULL;
+    }
+    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    double limit = PyFloat_AsDouble(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *rec = args[2], *expected = args[3];
+    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8 || !PyBytes_Check(expected) ||
+        PyBytes_GET_SIZE(expected) != (Py_ssize_t)(s->n * (SIG_SLOT - SIG_BYTES))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "begin_zero_copy(): bad record or expected locations (size)");
+        return NULL;
+    }
+    ZeroCopyArgs za;
+    if (zero_copy_args(s, args + 4, &za, "begin_zero_copy") < 0) return NULL;
+    const char *recp = PyBytes_AS_STRING(rec), *exp = PyBytes_AS_STRING(expected);
+    int rc;
+    uint32_t target = (uint32_t)p;
+    Py_BEGIN_ALLOW_THREADS
+    write_signature(s, target, seq, recp);
+    post(s, target);
+    if (!wait_all(s, target, limit)) {
+        rc = RC_WAIT;
+    } else {
+        rc = check(s, target);
+        size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES, len = SIG_SLOT - SIG_BYTES;
+        for (int q = 0; q < s->n && rc == RC_DONE; q++)
+            if (memcmp((const char *)s->hdr[q] + off, exp + q * len, len) != 0) rc = RC_BEGUN;
+        if (rc == RC_DONE) {
+            zero_copy_slice(s, &za);
+            post(s, target + 1);
+            if (!wait_all(s, target + 1, limit)) rc = RC_WAIT2;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
 }
 
 static PyMethodDef Sync_methods[] = {
@@ -652,6 +727,9 @@ static PyMethodDef Sync_methods[] = {
     {"begin_rounds", (PyCFunction)(void (*)(void))Sync_begin_rounds, METH_FASTCALL,
      "begin_rounds(post, seq, record, array, parity, code, avg, limit, sleep, per) -> (rc, "
      "done): a staged large all-reduce's first post and rounds."},
+    {"begin_zero_copy", (PyCFunction)(void (*)(void))Sync_begin_zero_copy, METH_FASTCALL,
+     "begin_zero_copy(post, seq, record, expected, code, avg, arrays, lo, hi, itemsize, "
+     "scratch, block, limit) -> rc: a zero-copy all-reduce in one call."},
     {"zero_copy", (PyCFunction)(void (*)(void))Sync_zero_copy, METH_FASTCALL,
      "zero_copy(code, avg, arrays, lo, hi, itemsize, scratch, block): the zero-copy slice's work."},
     {NULL, NULL, 0, NULL},

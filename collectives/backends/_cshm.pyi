@@ -56,6 +56,23 @@ class Sync:
         per: int,
         /,
     ) -> tuple[int, int]: ...
+    def begin_zero_copy(
+        self,
+        post: int,
+        seq: int,
+        record: bytes,
+        expected: bytes,
+        code: int,
+        avg: bool,
+        arrays: tuple[int, ...],
+        lo: int,
+        hi: int,
+        itemsize: int,
+        scratch: int,
+        block: int,
+        limit: float,
+        /,
+    ) -> int: ...
     def zero_copy(
         self,
         code: int,

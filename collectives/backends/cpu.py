@@ -39,7 +39,6 @@ from .._errors import (
 )
 from .._registry import register_backend
 from .._signature import describe_record, record_bytes, same_p2p_call
-from .._types import ReduceOp
 from . import _cpu_last_words as last_words
 from . import _shm
 from ._cpu_layout import (
@@ -62,7 +61,6 @@ from ._shm import Segment
 
 __all__ = ["CpuBackend"]
 
-_ZC_BLOCK = 256 << 10  # bytes per block of the zero-copy reduce (well inside L2)
 # A large all-reduce's location flag bit: this rank runs the compiled rounds. If all do, one
 # over 1 MiB goes in rounds of _COMPILED_ROUND bytes (data stays in cache; a compiled phase is
 # cheap, a Python one is not; up to 1 MiB one round was faster), else of DPT_CPU_CHUNK_BYTES.
@@ -116,7 +114,6 @@ class CpuBackend(Backend):
         self._slot_parity = 0
         self._sent = [0] * n  # chunks sent to each peer
         self._recvd = [0] * n  # chunks received from each peer
-        self.shared = SharedArrays(self.rank, n)
         # (slot parity, dtype, count) -> this rank's slot and every rank's, as typed views.
         self._small_views: dict[tuple[int, Any, int], tuple[Any, list[Any]]] = {}
         self._closed = False
@@ -132,6 +129,7 @@ class CpuBackend(Backend):
         self.views = [own_view if s is self._own else SegmentView(s, self.layout) for s in segs]
         self.mine = own_view
         self.sync = Lockstep(info, self.views, native)
+        self.shared = SharedArrays(self.sync, own_view, self.chunk)
         if n > 1:
             last_words.track(self)
 
@@ -262,11 +260,15 @@ class CpuBackend(Backend):
                             req, flat, True, code=code, per_bytes=per_bytes, resume=(done, left)
                         )
                     return
-        if post < 0:
+            else:
+                post = self.shared.begin_all_reduce(req, flat, loc, code)
+                if post < 0:
+                    return  # done in one compiled call
+        if post <= 0:
             post = sync.begin(req, loc)
         locs = sync.locations(post)
         if all(entry[0] & 1 for entry in locs):
-            self._all_reduce_zero_copy(req, flat, locs, code)
+            self.shared.all_reduce(req, flat, locs, code)
         else:
             short = short and all(e[0] & _COMPILED for e in locs)
             per = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
@@ -369,48 +371,6 @@ class CpuBackend(Backend):
             if q != self.rank and hi > lo:
                 slot[lo:hi] = chunk[lo:hi]
         self._round(req, first)
-
-    def _all_reduce_zero_copy(
-        self, req: Request, flat: Any, locs: tuple[Any, ...], code: int
-    ) -> None:
-        dt = flat.dtype
-        op = req.reduce_op
-        assert op is not None
-        if code >= 0:
-            # One compiled call, the GIL released (the same order and blocks as below).
-            addrs, lo, hi = self.shared.plan(locs, dt, flat.size)
-            block = min(_ZC_BLOCK, self.chunk) // dt.itemsize * dt.itemsize
-            self.sync.native.zero_copy(
-                code, op is ReduceOp.AVG, addrs, lo, hi, dt.itemsize, self.mine.res_addr, block
-            )
-            self.sync.phase(req)  # nobody returns (and reuses its array) before all slices landed
-            return
-        me = self.rank
-        views = [self.shared.view(q, loc, dt, flat.size) for q, loc in enumerate(locs)]
-        lo, hi = self._slices(flat.size)[me]
-        if me <= 1:
-            # This rank's array is one of the first two operands, read before it is written
-            # element by element, so it can take the result directly (no scratch pass). Work
-            # in blocks that stay in cache, so copying the result to the peers reads it from
-            # cache rather than memory.
-            per = max(_ZC_BLOCK // dt.itemsize, 1)
-            for start in range(lo, hi, per):
-                stop = min(hi, start + per)
-                mine = views[me][start:stop]
-                reduce_in_order(mine, [v[start:stop] for v in views], op, self.size)
-                for q, v in enumerate(views):
-                    if q != me:
-                        v[start:stop] = mine
-        else:
-            per = max(self.chunk // dt.itemsize, 1)
-            res = self.mine.res.view(dt)
-            for start in range(lo, hi, per):
-                stop = min(hi, start + per)
-                out = res[: stop - start]
-                reduce_in_order(out, [v[start:stop] for v in views], op, self.size)
-                for v in views:
-                    v[start:stop] = out
-        self.sync.phase(req)  # nobody returns (and reuses its array) before all slices landed
 
     def _do_reduce(self, req: Request) -> None:
         flat = req.array.reshape(-1)

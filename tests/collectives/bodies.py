@@ -534,13 +534,14 @@ def alloc_all_reduce(seed: int, size: int, pattern: str, dtype: str = "float32")
 
 def alloc_views_cycle(seed: int, size: int, rounds: int) -> int:
     """all_reduce on ever new views of one alloc'd array, at offsets that differ by rank
-    and change from call to call, some view objects used again, more of them than the
-    backend remembers: every call must reduce the arrays the ranks passed this time."""
+    and change from call to call (even ranks' every third call, so that their peers move
+    while they stay), some view objects used again, more of them than the backend
+    remembers: every call must reduce the arrays the ranks passed this time."""
     rank, n = _world()
     buf = C.alloc((size + 16,), "float32")
     kept = [buf[o : o + size] for o in range(3)]  # the same objects, used again below
     for it in range(rounds):
-        offset = (it * 5 + rank) % 16
+        offset = (it * 5 + rank) % 16 if rank % 2 else (it // 3) % 4
         x = kept[offset] if offset < 3 and it % 2 else buf[offset : offset + size]
         x[...] = data(seed, rank, size, "float32", it)
         C.all_reduce(x)
