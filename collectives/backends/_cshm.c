@@ -38,10 +38,10 @@
 #define RC_REDUCE 2     /* synchronized and checked; no C loop for this dtype/op: Python reduces */
 #define RC_MISMATCH 3   /* a peer's signature differs: Python reports it */
 #define RC_ABORTED 4    /* a peer gave up: Python raises its reason */
-#define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer has not posted it yet */
+#define RC_WAIT2 5      /* rounds(): a round reduced, its second post out, a peer not there yet */
 #define RC_BEGUN 6      /* begin_rounds(), begin_zero_copy(): posted and checked, Python goes on */
 
-/* A large all-reduce's location flag bit (cpu.py's _COMPILED): the rank runs the compiled rounds. */
+/* A large all-reduce's location flag bit (cpu.py's _COMPILED): the rank runs compiled rounds. */
 #define LOC_COMPILED 2
 
 /* The loops that move and reduce data, built twice where the compiler can (GCC, x86-64): with
@@ -307,6 +307,32 @@ static int check(SyncObject *s, uint32_t p) {
     return RC_DONE;
 }
 
+/* The first three arguments of the calls that make a collective's first post: post, seq and
+ * the record (SIG_SLOT - 8 bytes). 0, or -1 with an exception set. */
+static int first_post_args(PyObject *const *args, const char *what, unsigned long long *p,
+                           unsigned long long *seq, const char **rec) {
+    *p = PyLong_AsUnsignedLongLongMask(args[0]);
+    *seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (PyErr_Occurred()) return -1;
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) != SIG_SLOT - 8) {
+        PyErr_Format(PyExc_ValueError, "%s(): the record must be %d bytes", what, SIG_SLOT - 8);
+        return -1;
+    }
+    *rec = PyBytes_AS_STRING(args[2]);
+    return 0;
+}
+
+/* A collective's first post, with the GIL released: the signature record (see
+ * write_signature()), post ``target``, wait for every peer (at most ``limit`` seconds), check.
+ * RC_DONE, RC_WAIT (a peer has not posted yet), RC_MISMATCH or RC_ABORTED. */
+static int first_post(SyncObject *s, uint32_t target, unsigned long long seq, const char *rec,
+                      double limit) {
+    write_signature(s, target, seq, rec);
+    post(s, target);
+    if (!wait_all(s, target, limit)) return RC_WAIT;
+    return check(s, target);
+}
+
 /* begin(post, seq, record, array, parity, code, limit) -> rc
  *
  * A collective's first post: (with ``array``: copy it into staging slot ``parity``), write
@@ -319,14 +345,9 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "begin() takes 7 arguments");
         return NULL;
     }
-    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
-    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *rec = args[2];
-    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8) {
-        PyErr_Format(PyExc_ValueError, "begin(): the record must be %d bytes", SIG_SLOT - 8);
-        return NULL;
-    }
+    unsigned long long p, seq;
+    const char *recp;
+    if (first_post_args(args, "begin", &p, &seq, &recp) < 0) return NULL;
     int par = PyLong_AsLong(args[4]) & 1;
     long code = PyLong_AsLong(args[5]);
     double limit = PyFloat_AsDouble(args[6]);
@@ -339,23 +360,16 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     }
     reducer fn = have && code >= 0 && code < 32 ? REDUCERS[code] : NULL;
     int rc;
-    const char *recp = PyBytes_AS_STRING(rec);
     uint32_t target = (uint32_t)p;
     Py_BEGIN_ALLOW_THREADS
     if (have && view.len) copy(s->slot[par][s->rank], view.buf, (size_t)view.len);
-    write_signature(s, target, seq, recp);
-    post(s, target);
-    if (!wait_all(s, target, limit)) {
-        rc = RC_WAIT;
-    } else {
-        rc = check(s, target);
-        if (rc == RC_DONE && have) {
-            if (fn == NULL) {
-                rc = RC_REDUCE;
-            } else if (view.len) {
-                for (int q = 0; q < s->n; q++) s->src[q] = s->slot[par][q];
-                fn((char *)view.buf, s->src, s->n, (size_t)view.len / (size_t)view.itemsize);
-            }
+    rc = first_post(s, target, seq, recp, limit);
+    if (rc == RC_DONE && have) {
+        if (fn == NULL) {
+            rc = RC_REDUCE;
+        } else if (view.len) {
+            for (int q = 0; q < s->n; q++) s->src[q] = s->slot[par][q];
+            fn((char *)view.buf, s->src, s->n, (size_t)view.len / (size_t)view.itemsize);
         }
     }
     Py_END_ALLOW_THREADS
@@ -551,41 +565,27 @@ static PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "begin_rounds() takes 10 arguments");
         return NULL;
     }
-    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
-    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *rec = args[2];
-    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8) {
-        PyErr_Format(PyExc_ValueError, "begin_rounds(): the record must be %d bytes",
-                     SIG_SLOT - 8);
-        return NULL;
-    }
+    unsigned long long p, seq;
+    const char *recp;
+    if (first_post_args(args, "begin_rounds", &p, &seq, &recp) < 0) return NULL;
     RoundArgs ra;
     if (round_args(s, args + 3, &ra, "begin_rounds") < 0) return NULL;
-    const char *recp = PyBytes_AS_STRING(rec);
     size_t isz = (size_t)ra.view.itemsize;
     long done = -1;
     int rc;
     uint32_t target = (uint32_t)p;
     Py_BEGIN_ALLOW_THREADS
-    write_signature(s, target, seq, recp);
-    post(s, target);
-    if (!wait_all(s, target, ra.limit)) {
-        rc = RC_WAIT;
-    } else {
-        rc = check(s, target);
-        if (rc == RC_DONE) {
-            size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES;
-            for (int q = 0; q < s->n && rc == RC_DONE; q++) {
-                int64_t flag;
-                memcpy(&flag, (const char *)s->hdr[q] + off, sizeof flag);
-                if (!(flag & LOC_COMPILED)) rc = RC_BEGUN;
-            }
-        }
-        if (rc == RC_DONE)
-            rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf,
-                            (size_t)ra.view.len / isz, isz, ra.per, ra.par, p + 1, ra.limit,
-                            ra.sleep, ra.sp, &done);
+    rc = first_post(s, target, seq, recp, ra.limit);
+    size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES;
+    for (int q = 0; q < s->n && rc == RC_DONE; q++) {
+        int64_t flag;
+        memcpy(&flag, (const char *)s->hdr[q] + off, sizeof flag);
+        if (!(flag & LOC_COMPILED)) rc = RC_BEGUN;
+    }
+    if (rc == RC_DONE) {
+        rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf,
+                        (size_t)ra.view.len / isz, isz, ra.per, ra.par, p + 1, ra.limit,
+                        ra.sleep, ra.sp, &done);
     }
     Py_END_ALLOW_THREADS
     round_args_release(&ra);
@@ -680,37 +680,32 @@ static PyObject *Sync_begin_zero_copy(SyncObject *s, PyObject *const *args, Py_s
         PyErr_SetString(PyExc_TypeError, "begin_zero_copy() takes 13 arguments");
         return NULL;
     }
-    unsigned long long p = PyLong_AsUnsignedLongLongMask(args[0]);
-    unsigned long long seq = PyLong_AsUnsignedLongLongMask(args[1]);
+    unsigned long long p, seq;
+    const char *recp;
+    if (first_post_args(args, "begin_zero_copy", &p, &seq, &recp) < 0) return NULL;
     double limit = PyFloat_AsDouble(args[12]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *rec = args[2], *expected = args[3];
-    if (!PyBytes_Check(rec) || PyBytes_GET_SIZE(rec) != SIG_SLOT - 8 || !PyBytes_Check(expected) ||
+    PyObject *expected = args[3];
+    if (!PyBytes_Check(expected) ||
         PyBytes_GET_SIZE(expected) != (Py_ssize_t)(s->n * (SIG_SLOT - SIG_BYTES))) {
-        PyErr_SetString(PyExc_ValueError,
-                        "begin_zero_copy(): bad record or expected locations (size)");
+        PyErr_Format(PyExc_ValueError, "begin_zero_copy(): expected must be %d bytes",
+                     s->n * (SIG_SLOT - SIG_BYTES));
         return NULL;
     }
     ZeroCopyArgs za;
     if (zero_copy_args(s, args + 4, &za, "begin_zero_copy") < 0) return NULL;
-    const char *recp = PyBytes_AS_STRING(rec), *exp = PyBytes_AS_STRING(expected);
+    const char *exp = PyBytes_AS_STRING(expected);
     int rc;
     uint32_t target = (uint32_t)p;
     Py_BEGIN_ALLOW_THREADS
-    write_signature(s, target, seq, recp);
-    post(s, target);
-    if (!wait_all(s, target, limit)) {
-        rc = RC_WAIT;
-    } else {
-        rc = check(s, target);
-        size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES, len = SIG_SLOT - SIG_BYTES;
-        for (int q = 0; q < s->n && rc == RC_DONE; q++)
-            if (memcmp((const char *)s->hdr[q] + off, exp + q * len, len) != 0) rc = RC_BEGUN;
-        if (rc == RC_DONE) {
-            zero_copy_slice(s, &za);
-            post(s, target + 1);
-            if (!wait_all(s, target + 1, limit)) rc = RC_WAIT2;
-        }
+    rc = first_post(s, target, seq, recp, limit);
+    size_t off = H_SIG + (size_t)(target & 1) * SIG_SLOT + SIG_BYTES, len = SIG_SLOT - SIG_BYTES;
+    for (int q = 0; q < s->n && rc == RC_DONE; q++)
+        if (memcmp((const char *)s->hdr[q] + off, exp + q * len, len) != 0) rc = RC_BEGUN;
+    if (rc == RC_DONE) {
+        zero_copy_slice(s, &za);
+        post(s, target + 1);
+        if (!wait_all(s, target + 1, limit)) rc = RC_WAIT2;
     }
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
