@@ -59,7 +59,7 @@ _NATIVE_ENV = "DPT_CPU_NATIVE"
 # What _cshm's begin() and phase() return (see _cshm.c).
 RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
 RC_WAIT2 = 5
-RC_BEGUN = 6  # begin_rounds(): posted and checked, some rank runs Python
+RC_BEGUN = 6  # begin_rounds(), begin_zero_copy(): posted and checked, Python goes on
 # The compiled reductions: dtype index * 4 + op index (the table in _cshm.c).
 _NATIVE_DTYPES = ["float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "uint64"]
 _NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2}
