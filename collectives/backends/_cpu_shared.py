@@ -55,8 +55,9 @@ class SharedArrays:
         # (every rank's location, dtype, count) -> (addresses, this rank's slice [lo, hi),
         # the locations packed as the ranks post them)
         self._plans: dict[tuple[Any, ...], tuple[tuple[int, ...], int, int, bytes]] = {}
-        # (this rank's location, dtype, count) -> every rank's location the last time
-        self._last: dict[tuple[Any, ...], tuple[Location, ...]] = {}
+        # (this rank's location, dtype, count) -> the plan of every rank's locations the last
+        # time (so the one-call path looks up one key, not two)
+        self._last: dict[tuple[Any, ...], tuple[tuple[int, ...], int, int, bytes]] = {}
 
     def add(self, address: int, size: int, alloc_id: int, segs: list[Segment]) -> None:
         """Record a new allocation: this rank's segment at ``address`` and every rank's."""
@@ -113,10 +114,10 @@ class SharedArrays:
         Returns -1 when it is done, 0 when it did not start (no such call yet), else the first
         post's number: posted and checked, the peers elsewhere; the caller goes on."""
         dt = flat.dtype
-        locs = self._last.get((loc, dt, flat.size))
-        if locs is None:
+        last = self._last.get((loc, dt, flat.size))
+        if last is None:
             return 0
-        addrs, lo, hi, packed = self.plan(locs, dt, flat.size)
+        addrs, lo, hi, packed = last
         block = self._block(dt)
         return self.sync.begin_zero_copy(
             req, loc, packed, code, addrs, lo, hi, dt.itemsize, self.mine.res_addr, block
@@ -131,10 +132,11 @@ class SharedArrays:
         if code >= 0:
             # One compiled call, the GIL released (the same order and blocks as below); the
             # next call from this location tries begin_all_reduce with these locations.
+            plan = self.plan(locs, dt, flat.size)
             if len(self._last) >= _CACHE_MAX:
                 self._last.clear()
-            self._last[(locs[self.rank], dt, flat.size)] = locs
-            addrs, lo, hi, _ = self.plan(locs, dt, flat.size)
+            self._last[(locs[self.rank], dt, flat.size)] = plan
+            addrs, lo, hi, _ = plan
             avg = op is ReduceOp.AVG
             scratch, block = self.mine.res_addr, self._block(dt)
             self.sync.native.zero_copy(code, avg, addrs, lo, hi, dt.itemsize, scratch, block)
