@@ -11,7 +11,7 @@ cannot beat reading S and writing S, and no pass reads and writes S for less tha
 a line it writes was just read, so the cache needs no read-for-ownership of it. (A copy
 into other lines, the limit before, pays that extra read: out of cache it moves 1.5 times the
 bytes, and collectives that write most of their result onto lines they had just read beat it,
-up to 130% of it at 64 MiB. A copy from a second buffer would also touch 2S, falling out of a
+127-168% of it at 64 MiB. A copy from a second buffer would also touch 2S, falling out of a
 cache level that the collective's own working set still fits in.)
 """
 

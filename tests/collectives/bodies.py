@@ -533,7 +533,7 @@ def alloc_all_reduce(seed: int, size: int, pattern: str, dtype: str = "float32")
 
 
 def alloc_views_cycle(seed: int, size: int, rounds: int) -> int:
-    """all_reduce on ever new views of one alloc'd array, at offsets that differ by rank
+    """all_reduce on new views of one alloc'd array, at offsets that differ by rank
     and change from call to call (even ranks' every third call, so that their peers move
     while they stay), some view objects used again, more of them than the backend
     remembers: every call must reduce the arrays the ranks passed this time."""
