@@ -383,16 +383,19 @@ class Executor:
         if not inline:
             return self.submit(req, async_op=False)
         try:
-            self._run(req)
+            # The caller (the group, under its lock) has just checked the group is usable.
+            self._run(req, checked=True)
         finally:
             self._idle()
         return None
 
-    def _run(self, req: Request) -> None:
-        """Run ``req`` here; a failure breaks the group (abort) and is raised."""
+    def _run(self, req: Request, checked: bool = False) -> None:
+        """Run ``req`` here (``checked``: the group is known usable); a failure breaks the
+        group (abort) and is raised."""
         backend = self.backend
         try:
-            backend.check_usable(req.op, req.seq)
+            if not checked:
+                backend.check_usable(req.op, req.seq)
             req.deadline = time.monotonic() + backend.info.timeout
             backend.run(req)
         except CollectiveError as exc:

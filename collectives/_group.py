@@ -238,6 +238,20 @@ class ProcessGroup:
             return queued
         return queued.wait()
 
+    def _call(self, req: Request) -> None:
+        """:meth:`_issue` of a blocking collective (not point-to-point) whose result is its
+        input, on the per-call path: no finalizer to build and call."""
+        if _get_ident() != self._owner:
+            self._not_owner(req.op, None)
+        with self._lock:
+            self._seq += 1
+            req.seq = self._seq
+            backend = self.backend
+            backend.check_usable(req.op, req.seq)
+            queued = backend.call(req)
+        if queued is not None:
+            queued.wait()
+
     # ------------------------------------------------------------------ threads
     def bind_thread(self, thread: threading.Thread | None = None) -> None:
         """Give the group to ``thread`` (default: the calling thread), which alone issues its
@@ -337,7 +351,10 @@ class ProcessGroup:
                 if flags.c_contiguous and flags.writeable:
                     # Positional: a dataclass built from keywords costs ~3x as much.
                     req = Request("all_reduce", 0, sig, arr, None, sig.reduce_op)
-                    return self._issue(req, async_op, lambda: x)
+                    if async_op:
+                        return self._issue(req, True, lambda: x)
+                    self._call(req)
+                    return x
         a = self._arg("all_reduce", x, writable=True)
         rop = self._reduce_op("all_reduce", op, a.array)
         sig = Signature("all_reduce", a.array.dtype, tuple(a.array.shape), -1, rop)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ from .._errors import (
     where,
 )
 from .._registry import register_backend
-from .._signature import describe_record, record_bytes, same_p2p_call
+from .._signature import Signature, describe_record, record_bytes, same_p2p_call
 from . import _cpu_last_words as last_words
 from . import _shm
 from ._cpu_layout import (
@@ -66,6 +67,8 @@ __all__ = ["CpuBackend"]
 # cheap, a Python one is not; up to 1 MiB one round was faster), else of DPT_CPU_CHUNK_BYTES.
 _COMPILED = 2
 _COMPILED_ROUND, _SHORT_ABOVE = 256 << 10, 1 << 20
+# (signature, a weak reference to the array, code, location, staged round bytes)
+_LargePlan = tuple[Signature, "weakref.ref[Any]", int, tuple[int, int, int, int], int]
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -116,6 +119,7 @@ class CpuBackend(Backend):
         self._recvd = [0] * n  # chunks received from each peer
         # (slot parity, dtype, count) -> this rank's slot and every rank's, as typed views.
         self._small_views: dict[tuple[int, Any, int], tuple[Any, list[Any]]] = {}
+        self._large_plan: _LargePlan | None = None  # the last large all-reduce's
         self._closed = False
         self._own = Segment.create(self.layout.total, f"{info.name}-r{info.rank}")
         try:
@@ -238,19 +242,17 @@ class CpuBackend(Backend):
         arr = req.array
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
         sync = self.sync
-        # Large: a signature-only first post says where each rank's data is (flag bit 0: in
-        # shared memory, so that ranks whose arrays all are can skip staging altogether) and
-        # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
-        code = -1 if sync.native is None else sync.chunk_code(req.signature)
-        loc = self.shared.location(arr) or NO_LOCATION
-        short = flat.nbytes > _SHORT_ABOVE
+        # A call repeated on the same array (a DDP bucket, a training loop's buffer) reuses
+        # the last one's plan: this Python runs on caches the last call's data evicted.
+        plan = self._large_plan
+        if plan is None or plan[0] is not req.signature or plan[1]() is not arr:
+            plan = self._large_plan = self._plan_large(req, arr)
+        _, _, code, loc, per_bytes = plan
         post = -1
         if code >= 0:
-            loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
             if not loc[0] & 1:
                 # Staged, compiled: the first post and (every rank compiled) the rounds in one
                 # call; Python between them would run on caches the last call's data evicted.
-                per_bytes = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
                 per = max(per_bytes // flat.dtype.itemsize, 1)
                 post, done, left = sync.begin_rounds(req, flat, loc, self._slot_parity, code, per)
                 if done >= 0:
@@ -270,9 +272,24 @@ class CpuBackend(Backend):
         if all(entry[0] & 1 for entry in locs):
             self.shared.all_reduce(req, flat, locs, code)
         else:
-            short = short and all(e[0] & _COMPILED for e in locs)
+            short = flat.nbytes > _SHORT_ABOVE and all(e[0] & _COMPILED for e in locs)
             per = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
             self._all_reduce_chunks(req, flat, first_done=True, code=code, per_bytes=per)
+
+    def _plan_large(self, req: Request, arr: Any) -> _LargePlan:
+        """What a large all-reduce of ``arr`` finds out before its first post: the helper's
+        reduction (-1: none), this rank's data location and the staged rounds' bytes."""
+        # Large: a signature-only first post says where each rank's data is (flag bit 0: in
+        # shared memory, so that ranks whose arrays all are can skip staging altogether) and
+        # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
+        sync = self.sync
+        code = -1 if sync.native is None else sync.chunk_code(req.signature)
+        loc = self.shared.location(arr) or NO_LOCATION
+        if code >= 0:
+            loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
+        short = arr.nbytes > _SHORT_ABOVE
+        per_bytes = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
+        return (req.signature, weakref.ref(arr), code, loc, per_bytes)
 
     def _all_reduce_small(self, req: Request, arr: Any, par: int, staged: bool) -> None:
         """One phase: every rank stages its (contiguous) ``arr`` in slot ``par``, then reduces
