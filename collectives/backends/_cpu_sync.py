@@ -56,6 +56,7 @@ from ._shm import Futex
 __all__ = ["Lockstep", "native_module"]
 
 _NATIVE_ENV = "DPT_CPU_NATIVE"
+_STREAM_ENV = "DPT_CPU_STREAM"
 # What _cshm's begin() and phase() return (see _cshm.c).
 RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
 RC_WAIT2 = 5
@@ -101,6 +102,22 @@ def native_module() -> Any:
     return _cshm
 
 
+def stream_setting() -> int:
+    """How the helper writes what the peers read (``DPT_CPU_STREAM``; the staged rounds, the
+    small all-reduce from 16 KiB): -1 (unset or ``auto``) the way measured to cost less at the
+    call's size, 0 plain stores, 1 streaming stores. Results are the same either way.
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(_STREAM_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return -1
+    if raw in ("0", "1"):
+        return int(raw)
+    raise ValueError(f"{_STREAM_ENV} must be auto, 0 (plain stores) or 1 (streaming), got {raw!r}")
+
+
 def _native_code(sig: Signature) -> int:
     """The compiled reduction for ``sig``'s dtype and op, or -1 (NumPy reduces)."""
     if sig.dtype is None or sig.reduce_op is None:
@@ -121,9 +138,12 @@ class Lockstep:
         info: the group.
         views: every rank's segment, in group-rank order (this rank's own included).
         native: the compiled helper's module (:func:`native_module`), or None: pure Python.
+        stream: how the helper stores what peers read (:func:`stream_setting`).
     """
 
-    def __init__(self, info: GroupInfo, views: list[SegmentView], native: Any = None) -> None:
+    def __init__(
+        self, info: GroupInfo, views: list[SegmentView], native: Any = None, stream: int = -1
+    ) -> None:
         self.info = info
         self.size = info.size
         self.rank = info.rank  # in the group
@@ -150,6 +170,7 @@ class Lockstep:
                 tuple(v.slot_addrs[1] for v in views),
                 tuple(v.res_addr for v in views),
                 self.spin,
+                stream,
             )
 
     # ------------------------------------------------------------------ posts

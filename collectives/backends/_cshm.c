@@ -14,6 +14,9 @@
 #include <Python.h>
 
 #include <linux/futex.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -55,6 +58,18 @@
 /* Bytes per block of a slice's reduction: the result is copied on while still in cache. */
 #define BLOCK (64 << 10)
 
+/* Streaming stores for the data the peers read (the staged rounds' slot copies and reduced
+ * slices), chosen per size class by measurement (see pick_stream()). */
+#define STREAM_CLASSES 48 /* log2 of the bytes of an all-reduce */
+#define STREAM_EXPLORE 64 /* one call in this many tries the other way */
+#define TUNE_ROUNDS 0     /* the staged rounds (the time after the first post) */
+#define TUNE_SMALL 1      /* the small all-reduce (its copy and reduction, not its wait) */
+#define SMALL_STREAM_MIN (16 << 10) /* smaller ones always store plainly */
+typedef struct {
+    double cost[2]; /* seconds per byte of the timed work: plain, streaming stores; 0: none yet */
+    unsigned calls;
+} StreamTune;
+
 typedef struct {
     PyObject_HEAD
     int n;
@@ -64,6 +79,9 @@ typedef struct {
     char **res;         /* every rank's result areas (large all-reduce) */
     char **src;         /* scratch: the sources of one reduction */
     double spin;        /* seconds of pure spinning, then polls with sched_yield */
+    int stream;         /* streaming stores: -1 chosen by measurement, 0 never, 1 always */
+    char *scratch;      /* BLOCK bytes: a block's reduction before it is streamed out */
+    StreamTune tune[2][STREAM_CLASSES]; /* [TUNE_ROUNDS or TUNE_SMALL][size class] */
 } SyncObject;
 
 static inline double now(void) {
@@ -217,6 +235,7 @@ static void Sync_dealloc(SyncObject *s) {
     PyMem_Free(s->slot[1]);
     PyMem_Free(s->src);
     PyMem_Free(s->res);
+    PyMem_Free(s->scratch);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -240,10 +259,15 @@ static int Sync_init(SyncObject *s, PyObject *args, PyObject *kwds) {
     int rank;
     PyObject *hdrs, *slots0, *slots1, *ress;
     double spin;
-    static char *kwlist[] = {"rank", "headers", "slots0", "slots1", "res", "spin", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOd", kwlist, &rank, &hdrs, &slots0,
-                                     &slots1, &ress, &spin))
+    int stream = -1;
+    static char *kwlist[] = {"rank", "headers", "slots0", "slots1", "res", "spin", "stream", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOd|i", kwlist, &rank, &hdrs, &slots0,
+                                     &slots1, &ress, &spin, &stream))
         return -1;
+    if (stream < -1 || stream > 1) {
+        PyErr_Format(PyExc_ValueError, "stream must be -1 (measure), 0 or 1, got %d", stream);
+        return -1;
+    }
     if (!PyTuple_Check(hdrs) || PyTuple_GET_SIZE(hdrs) < 1) {
         PyErr_SetString(PyExc_ValueError, "headers: expected a non-empty tuple of addresses");
         return -1;
@@ -256,12 +280,15 @@ static int Sync_init(SyncObject *s, PyObject *args, PyObject *kwds) {
     s->n = n;
     s->rank = rank;
     s->spin = spin;
+    s->stream = stream;
+    memset(s->tune, 0, sizeof s->tune);
     s->hdr = PyMem_Calloc(n, sizeof(uint32_t *));
     s->slot[0] = PyMem_Calloc(n, sizeof(char *));
     s->slot[1] = PyMem_Calloc(n, sizeof(char *));
     s->src = PyMem_Calloc(n, sizeof(char *));
     s->res = PyMem_Calloc(n, sizeof(char *));
-    if (!s->hdr || !s->slot[0] || !s->slot[1] || !s->src || !s->res) {
+    s->scratch = PyMem_Malloc(BLOCK);
+    if (!s->hdr || !s->slot[0] || !s->slot[1] || !s->src || !s->res || !s->scratch) {
         PyErr_NoMemory();
         return -1;
     }
@@ -282,6 +309,63 @@ WIDE static void copy(char *dst, const char *src, size_t nb) {
     const uint64_t *s = (const uint64_t *)src;
     for (size_t i = 0; i < k; i++) d[i] = s[i];
     memcpy(dst + 8 * k, src + 8 * k, nb - 8 * k);
+}
+
+/* copy() with streaming stores, which write to memory past the caches: for data a peer reads
+ * next. A peer's read of lines this core has just written is a cache-to-cache transfer; when
+ * the two cores share no cache (this VM's vCPUs some of the time, separate dies on a real
+ * EPYC) it is slow (a staged 1 MiB all-reduce took 430-520 us, not 110-130) and a read from
+ * memory is faster. When they share one, the transfer wins: pick_stream() decides. Fenced:
+ * the data is visible before the next post. */
+static void copy_stream(char *dst, const char *src, size_t nb) {
+#if defined(__x86_64__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > nb) head = nb;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    nb -= head;
+    size_t k = nb / 16;
+    __m128i *d = (__m128i *)dst;
+    const __m128i *sp = (const __m128i *)src;
+    for (size_t i = 0; i < k; i++) _mm_stream_si128(d + i, _mm_loadu_si128(sp + i));
+    memcpy(dst + 16 * k, src + 16 * k, nb - 16 * k);
+    _mm_sfence();
+#else
+    copy(dst, src, nb);
+#endif
+}
+
+static int stream_class(size_t nb) {
+    int c = 0;
+    while (nb > 1 && c < STREAM_CLASSES - 1) {
+        nb >>= 1;
+        c++;
+    }
+    return c;
+}
+
+/* Whether this call (``kind``: TUNE_ROUNDS or TUNE_SMALL) streams what the peers read: as
+ * configured, else the way that cost less per byte so far at this kind and size class, and
+ * one call in STREAM_EXPLORE the other way (the ranks make the same calls, so they try it
+ * together: what is timed is both at once). Neither way is right everywhere: on this VM
+ * streaming was 1.4-1.7x faster when the two vCPUs shared no cache and 1.1-2.5x slower when
+ * they did, and which held changed within seconds. */
+static int pick_stream(SyncObject *s, int kind, size_t nb) {
+    if (s->stream >= 0) return s->stream;
+    StreamTune *t = &s->tune[kind][stream_class(nb)];
+    int best = t->cost[1] > 0.0 && t->cost[1] < t->cost[0];
+    return (++t->calls % STREAM_EXPLORE) == 2 ? !best : best;
+}
+
+/* Record what ``seconds`` of work over ``nb`` bytes cost the way ``way`` (pick_stream()'s):
+ * the way it takes is averaged over calls, the other one's latest try replaces the last. */
+static void note_stream(SyncObject *s, int kind, size_t nb, int way, double seconds) {
+    if (nb == 0) return;
+    StreamTune *t = &s->tune[kind][stream_class(nb)];
+    double c = seconds / (double)nb, *old = &t->cost[way];
+    int usual = t->cost[1] > 0.0 && t->cost[1] < t->cost[0];
+    *old = *old > 0.0 && way == usual ? 0.75 * *old + 0.25 * c : c;
 }
 
 /* Post ``target``'s signature slot: ``seq`` as 8 little-endian bytes, then ``rec`` (the rest of
@@ -361,15 +445,26 @@ static PyObject *Sync_begin(SyncObject *s, PyObject *const *args, Py_ssize_t nar
     reducer fn = have && code >= 0 && code < 32 ? REDUCERS[code] : NULL;
     int rc;
     uint32_t target = (uint32_t)p;
+    size_t nb = have ? (size_t)view.len : 0;
+    /* Timed for the choice of stores: the copy and the reduction, not the wait between. */
+    int tuned = fn != NULL && nb >= SMALL_STREAM_MIN;
     Py_BEGIN_ALLOW_THREADS
-    if (have && view.len) copy(s->slot[par][s->rank], view.buf, (size_t)view.len);
+    int way = tuned ? pick_stream(s, TUNE_SMALL, nb) : 0;
+    double t0 = tuned ? now() : 0.0, spent = 0.0;
+    if (way)
+        copy_stream(s->slot[par][s->rank], view.buf, nb);
+    else if (nb)
+        copy(s->slot[par][s->rank], view.buf, nb);
+    if (tuned) spent = now() - t0;
     rc = first_post(s, target, seq, recp, limit);
     if (rc == RC_DONE && have) {
         if (fn == NULL) {
             rc = RC_REDUCE;
-        } else if (view.len) {
+        } else if (nb) {
+            if (tuned) t0 = now();
             for (int q = 0; q < s->n; q++) s->src[q] = s->slot[par][q];
-            fn((char *)view.buf, s->src, s->n, (size_t)view.len / (size_t)view.itemsize);
+            fn((char *)view.buf, s->src, s->n, nb / (size_t)view.itemsize);
+            if (tuned) note_stream(s, TUNE_SMALL, nb, way, spent + now() - t0);
         }
     }
     Py_END_ALLOW_THREADS
@@ -407,9 +502,10 @@ static void divide(char *buf, long code, size_t count, int n) {
 }
 
 /* Reduce ``count`` items from ``src`` (n pointers) into ``out`` block by block, dividing
- * (AVG) and copying each block to ``dst`` (when not NULL) while it is in cache. */
+ * (AVG) and copying each block to ``dst`` (when not NULL) while it is in cache. ``stream``:
+ * each block is reduced into the scratch block and streamed to ``out`` (peers read it). */
 static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *out,
-                          char **src, size_t count, size_t isz, char *dst) {
+                          char **src, size_t count, size_t isz, char *dst, int stream) {
     size_t per = BLOCK / isz;
     char *blk[64];
     char **b = s->n <= 64 ? blk : s->src;
@@ -417,9 +513,11 @@ static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *o
         size_t m = count - start < per ? count - start : per;
         size_t off = start * isz;
         for (int q = 0; q < s->n; q++) b[q] = src[q] + off;
-        fn(out + off, b, s->n, m);
-        if (avg) divide(out + off, code, m, s->n);
-        if (dst) copy(dst + off, out + off, m * isz);
+        char *o = stream ? s->scratch : out + off;
+        fn(o, b, s->n, m);
+        if (avg) divide(o, code, m, s->n);
+        if (stream) copy_stream(out + off, o, m * isz);
+        if (dst) copy(dst + off, o, m * isz);
     }
 }
 
@@ -431,11 +529,12 @@ static void reduce_blocks(SyncObject *s, reducer fn, long code, int avg, char *o
  * slices into the array. Slices as cpu.py's _slices. A wait not over within ``limit`` seconds
  * of spinning and yielding and ``sleep`` seconds asleep on the futex stops the rounds:
  * ``*done`` rounds are complete, and round ``*done`` has RC_WAIT (its first post out) or
- * RC_WAIT2 (both out, reduced) left for Python; RC_DONE when all completed. Called with the
- * GIL released; ``sp`` has room for n pointers. */
+ * RC_WAIT2 (both out, reduced) left for Python; RC_DONE when all completed. ``stream``: what
+ * the peers read is written with streaming stores. Called with the GIL released; ``sp`` has
+ * room for n pointers. */
 static int run_rounds(SyncObject *s, reducer fn, long code, int avg, char *buf, size_t total,
                       size_t isz, size_t per, int par0, unsigned long long p, double limit,
-                      double sleep, char **sp, long *done) {
+                      double sleep, char **sp, long *done, int stream) {
     int n = s->n, me = s->rank;
     long r = 0;
     int rc = RC_DONE;
@@ -448,7 +547,11 @@ static int run_rounds(SyncObject *s, reducer fn, long code, int avg, char *buf, 
         char *mine = s->slot[par][me];
         for (int q = 0; q < n; q++) {
             size_t lo = m * q / n, hi = m * (q + 1) / n;
-            if (q != me && hi > lo) copy(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
+            if (q == me || hi <= lo) continue;
+            if (stream)
+                copy_stream(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
+            else
+                copy(mine + lo * isz, arr + lo * isz, (hi - lo) * isz);
         }
         post(s, target);
         if (!wait_all_sleeping(s, target, limit, sleep)) {
@@ -459,7 +562,7 @@ static int run_rounds(SyncObject *s, reducer fn, long code, int avg, char *buf, 
         if (hi > lo) {
             for (int q = 0; q < n; q++) sp[q] = (q == me ? arr : s->slot[par][q]) + lo * isz;
             reduce_blocks(s, fn, code, avg, s->res[me] + lo * isz, sp, hi - lo, isz,
-                          arr + lo * isz);
+                          arr + lo * isz, stream);
         }
         post(s, target + 1);
         if (!wait_all_sleeping(s, target + 1, limit, sleep)) {
@@ -525,6 +628,17 @@ static void round_args_release(RoundArgs *ra) {
     PyBuffer_Release(&ra->view);
 }
 
+/* run_rounds() with streaming as pick_stream() says, timed for note_stream() when complete. */
+static int timed_rounds(SyncObject *s, RoundArgs *ra, unsigned long long p, long *done) {
+    size_t isz = (size_t)ra->view.itemsize, nb = (size_t)ra->view.len;
+    int way = pick_stream(s, TUNE_ROUNDS, nb);
+    double t0 = now();
+    int rc = run_rounds(s, ra->fn, ra->code, ra->avg, (char *)ra->view.buf, nb / isz, isz,
+                        ra->per, ra->par, p, ra->limit, ra->sleep, ra->sp, done, way);
+    if (rc == RC_DONE) note_stream(s, TUNE_ROUNDS, nb, way, now() - t0);
+    return rc;
+}
+
 /* rounds(post, array, parity, code, avg, limit, sleep, per) -> (rc, done)
  *
  * run_rounds() over the C-contiguous ``array`` from post ``post``, with the GIL released once:
@@ -539,12 +653,10 @@ static PyObject *Sync_rounds(SyncObject *s, PyObject *const *args, Py_ssize_t na
     if (PyErr_Occurred()) return NULL;
     RoundArgs ra;
     if (round_args(s, args + 1, &ra, "rounds") < 0) return NULL;
-    size_t isz = (size_t)ra.view.itemsize;
     long done = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf, (size_t)ra.view.len / isz,
-                    isz, ra.per, ra.par, p, ra.limit, ra.sleep, ra.sp, &done);
+    rc = timed_rounds(s, &ra, p, &done);
     Py_END_ALLOW_THREADS
     round_args_release(&ra);
     return Py_BuildValue("(il)", rc, done);
@@ -570,7 +682,6 @@ static PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssiz
     if (first_post_args(args, "begin_rounds", &p, &seq, &recp) < 0) return NULL;
     RoundArgs ra;
     if (round_args(s, args + 3, &ra, "begin_rounds") < 0) return NULL;
-    size_t isz = (size_t)ra.view.itemsize;
     long done = -1;
     int rc;
     uint32_t target = (uint32_t)p;
@@ -583,9 +694,7 @@ static PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssiz
         if (!(flag & LOC_COMPILED)) rc = RC_BEGUN;
     }
     if (rc == RC_DONE) {
-        rc = run_rounds(s, ra.fn, ra.code, ra.avg, (char *)ra.view.buf,
-                        (size_t)ra.view.len / isz, isz, ra.per, ra.par, p + 1, ra.limit,
-                        ra.sleep, ra.sp, &done);
+        rc = timed_rounds(s, &ra, p + 1, &done);
     }
     Py_END_ALLOW_THREADS
     round_args_release(&ra);
@@ -711,7 +820,27 @@ static PyObject *Sync_begin_zero_copy(SyncObject *s, PyObject *const *args, Py_s
     return PyLong_FromLong(rc);
 }
 
+/* stream_costs(nbytes, small) -> (plain, streaming): the seconds per byte pick_stream() has
+ * seen each way at the size class of ``nbytes``, of the small all-reduce (``small``) or of
+ * the staged rounds (0.0: not tried yet). */
+static PyObject *Sync_stream_costs(SyncObject *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "stream_costs() takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t nb = PyLong_AsSsize_t(args[0]);
+    int small = PyObject_IsTrue(args[1]);
+    if (nb < 0 || small < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        return NULL;
+    }
+    const StreamTune *t = &s->tune[small ? TUNE_SMALL : TUNE_ROUNDS][stream_class((size_t)nb)];
+    return Py_BuildValue("(dd)", t->cost[0], t->cost[1]);
+}
+
 static PyMethodDef Sync_methods[] = {
+    {"stream_costs", (PyCFunction)(void (*)(void))Sync_stream_costs, METH_FASTCALL,
+     "stream_costs(nbytes, small) -> (plain, streaming): seconds per byte each way."},
     {"begin", (PyCFunction)(void (*)(void))Sync_begin, METH_FASTCALL,
      "begin(post, seq, record, array, parity, code, limit) -> rc: a collective's first post."},
     {"phase", (PyCFunction)(void (*)(void))Sync_phase, METH_FASTCALL,

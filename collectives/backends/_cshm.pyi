@@ -17,7 +17,9 @@ class Sync:
         slots1: tuple[int, ...],
         res: tuple[int, ...],
         spin: float,
+        stream: int = -1,
     ) -> None: ...
+    def stream_costs(self, nbytes: int, small: bool, /) -> tuple[float, float]: ...
     def begin(
         self,
         post: int,

@@ -54,7 +54,7 @@ from ._cpu_layout import (
     reached,
 )
 from ._cpu_shared import SharedArrays
-from ._cpu_sync import Lockstep, abort_kind, native_module
+from ._cpu_sync import Lockstep, abort_kind, native_module, stream_setting
 from ._proc import host_id
 from ._reduce import reduce_in_order
 from ._setup_wait import SetupWatch, setup_op
@@ -106,6 +106,7 @@ class CpuBackend(Backend):
         self.rank = info.rank  # in the group
         # Before any segment exists: DPT_CPU_NATIVE=1 without the helper fails here, cleanly.
         native = native_module() if n > 1 else None
+        stream = stream_setting()
         self.layout = Layout(
             n,
             env_bytes("DPT_CPU_CHUNK_BYTES", 4 << 20),
@@ -132,7 +133,7 @@ class CpuBackend(Backend):
             raise
         self.views = [own_view if s is self._own else SegmentView(s, self.layout) for s in segs]
         self.mine = own_view
-        self.sync = Lockstep(info, self.views, native)
+        self.sync = Lockstep(info, self.views, native, stream)
         self.shared = SharedArrays(self.sync, own_view, self.chunk)
         if n > 1:
             last_words.track(self)

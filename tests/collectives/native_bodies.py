@@ -120,3 +120,24 @@ def same_bits(
             del sync.reduce_rounds, sync.begin_rounds
             sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP = saved
     return {"native": native is not None, "checked": checked, "partial": partial}
+
+
+def stream_costs(counts: list[int], calls: int) -> list[list[float]]:
+    """Per count, ``calls`` all-reduces of that many float32 values, each checked; then what
+    the helper measured per byte of their work at that size, with plain and with streaming
+    stores (0.0: that way never ran): of the small all-reduce up to 64 KiB, else of the staged
+    rounds."""
+    rank, n = C.get_rank(), C.get_world_size()
+    backend: Any = C.get_default_group().backend
+    out = []
+    for count in counts:
+        x = np.empty(count, dtype=np.float32)
+        for i in range(calls):
+            x[:] = rank + i
+            C.all_reduce(x)
+            want = n * i + n * (n - 1) / 2
+            if not np.array_equal(x, np.full(count, want, dtype=np.float32)):
+                raise AssertionError(f"{count} values, call {i}: got {x[:4]}..., want {want}")
+        small = x.nbytes <= backend.small
+        out.append(list(backend.sync.native.stream_costs(x.nbytes, small)))
+    return out

@@ -56,27 +56,41 @@ def test_ranks_run_the_path_asked_for(pool_cache: PoolCache, env: Any, native: b
 
 # ---------------------------------------------------------------------------- same results
 @needs_helper
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n,stream", [(2, False), (3, False), (3, True)])
 def test_compiled_and_python_results_are_bitwise_equal(
-    pool_cache: PoolCache, seed: int, n: int
+    pool_cache: PoolCache, seed: int, n: int, stream: bool
 ) -> None:
-    pool = pool_cache.get(PoolSpec("cpu", n))
+    """``stream``: the small all-reduce's copies from 16 KiB are streaming stores."""
+    env = (("DPT_CPU_STREAM", "1"),) if stream else ()
+    pool = pool_cache.get(PoolSpec("cpu", n, env, tag="stream" if stream else ""))
     kw = {"seed": seed, "sizes": [0, 1, 7, 1000, 16_384]}
     got = pool.run("native_bodies:same_bits", kw)
     assert all(g["native"] for g in got), got
     assert {g["checked"] for g in got} == {got[0]["checked"]} and got[0]["checked"] > 0
 
 
+STREAM = (("DPT_CPU_STREAM", "1"),)
+
+
 @needs_helper
 @pytest.mark.parametrize(
-    "chunk,sizes,zero_copy,impatient",
+    "chunk,sizes,zero_copy,impatient,stream",
     [
-        (8192, [2049, 20_011], False, False),
-        (8192, [2049, 20_011], True, False),
-        (0, [200_003], False, False),
-        (8192, [20_011], False, True),
+        (8192, [2049, 20_011], False, False, False),
+        (8192, [2049, 20_011], True, False, False),
+        (0, [200_003], False, False, False),
+        (8192, [20_011], False, True, False),
+        (8192, [2049, 20_011], False, False, True),
+        (0, [200_003], False, False, True),
     ],
-    ids=["staged", "zero-copy", "short-rounds", "rounds-left-to-python"],
+    ids=[
+        "staged",
+        "zero-copy",
+        "short-rounds",
+        "rounds-left-to-python",
+        "staged-streaming",
+        "short-rounds-streaming",
+    ],
 )
 def test_large_all_reduce_is_bitwise_equal_on_both_paths(
     pool_cache: PoolCache,
@@ -85,20 +99,54 @@ def test_large_all_reduce_is_bitwise_equal_on_both_paths(
     sizes: list[int],
     zero_copy: bool,
     impatient: bool,
+    stream: bool,
 ) -> None:
     """Above the small-message size, in rounds of 8 KiB staging chunks (many chunks, odd
     lengths, slices of unequal size at 3 ranks) or of the compiled path's short rounds
     (default chunk; Python takes whole chunks): the compiled rounds and the zero-copy helper
     give NumPy's in-order result bit for bit, as the Python path does; also when the compiled
-    rounds stop at a wait and Python finishes the round and resumes them."""
-    env = (("DPT_CPU_CHUNK_BYTES", str(chunk)),) if chunk else ()
-    pool = pool_cache.get(PoolSpec("cpu", 3, env, tag=f"chunk{chunk}" if chunk else ""))
+    rounds stop at a wait and Python finishes the round and resumes them, and when the rounds
+    write what the peers read with streaming stores (``DPT_CPU_STREAM=1``)."""
+    env: tuple[tuple[str, str], ...] = (("DPT_CPU_CHUNK_BYTES", str(chunk)),) if chunk else ()
+    env += STREAM if stream else ()
+    tag = (f"chunk{chunk}" if chunk else "") + ("-stream" if stream else "")
+    pool = pool_cache.get(PoolSpec("cpu", 3, env, tag=tag))
     kw = {"seed": seed, "sizes": sizes, "zero_copy": zero_copy, "impatient": impatient}
     got = pool.run("native_bodies:same_bits", kw)
     assert all(g["native"] for g in got), got
     assert {g["checked"] for g in got} == {got[0]["checked"]} and got[0]["checked"] > 0
     if impatient:
         assert sum(g["partial"] for g in got) > 0, got
+
+
+@needs_helper
+@pytest.mark.parametrize(
+    "setting,tried", [("auto", (True, True)), ("0", (True, False)), ("1", (False, True))]
+)
+def test_the_rounds_measure_both_ways_to_store_unless_told_one(
+    pools: list[RankPool], setting: str, tried: tuple[bool, bool]
+) -> None:
+    """``DPT_CPU_STREAM`` unset or ``auto``: the staged rounds (70,000 float32) and the small
+    all-reduce from 16 KiB (8,192) time plain and streaming stores (one call in 64 the other
+    way) and take the cheaper, with correct results either way; 0 or 1 takes that one only.
+    Below 16 KiB (2,048) nothing is timed. (Which way is cheaper depends on whether the ranks'
+    cores share a cache, so no test says which.)"""
+    pool = RankPool.launch("cpu", 2, timeout=60, env={"DPT_CPU_STREAM": setting})
+    pools.append(pool)
+    kw = {"counts": [70_000, 8192, 2048], "calls": 70}
+    for rounds, small, tiny in pool.run("native_bodies:stream_costs", kw):
+        assert (rounds[0] > 0, rounds[1] > 0) == tried, rounds
+        assert (small[0] > 0, small[1] > 0) == tried, small
+        assert tiny == [0.0, 0.0], tiny
+
+
+def test_a_bad_stream_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, want in (("", -1), ("AUTO", -1), ("0", 0), ("1", 1)):
+        monkeypatch.setenv("DPT_CPU_STREAM", raw)
+        assert _cpu_sync.stream_setting() == want
+    monkeypatch.setenv("DPT_CPU_STREAM", "fast")
+    with pytest.raises(ValueError, match=r"DPT_CPU_STREAM must be auto, 0 .* got 'fast'"):
+        _cpu_sync.stream_setting()
 
 
 @needs_helper
