@@ -176,6 +176,11 @@ static int stream_class(size_t nb) {
     return c;
 }
 
+/* Whether streaming cost less than plain stores so far (0 while it is untried). */
+static int streaming_is_cheaper(const StreamTune *t) {
+    return t->cost[1] > 0.0 && t->cost[1] < t->cost[0];
+}
+
 /* Whether this call (``kind``: TUNE_ROUNDS or TUNE_SMALL) streams what the peers read: as
  * configured, else the way that cost less per byte so far at this kind and size class, and
  * one call in STREAM_EXPLORE the other way (the ranks make the same calls, so they try it
@@ -185,7 +190,7 @@ static int stream_class(size_t nb) {
 int pick_stream(SyncObject *s, int kind, size_t nb) {
     if (s->stream >= 0) return s->stream;
     StreamTune *t = &s->tune[kind][stream_class(nb)];
-    int best = t->cost[1] > 0.0 && t->cost[1] < t->cost[0];
+    int best = streaming_is_cheaper(t);
     return (++t->calls % STREAM_EXPLORE) == 2 ? !best : best;
 }
 
@@ -195,7 +200,7 @@ void note_stream(SyncObject *s, int kind, size_t nb, int way, double seconds) {
     if (nb == 0) return;
     StreamTune *t = &s->tune[kind][stream_class(nb)];
     double c = seconds / (double)nb, *old = &t->cost[way];
-    int usual = t->cost[1] > 0.0 && t->cost[1] < t->cost[0];
+    int usual = streaming_is_cheaper(t);
     *old = *old > 0.0 && way == usual ? 0.75 * *old + 0.25 * c : c;
 }
 

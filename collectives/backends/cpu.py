@@ -67,8 +67,8 @@ __all__ = ["CpuBackend"]
 # cheap, a Python one is not; up to 1 MiB one round was faster), else of DPT_CPU_CHUNK_BYTES.
 _COMPILED = 2
 _COMPILED_ROUND, _SHORT_ABOVE = 256 << 10, 1 << 20
-# (signature, a weak reference to the array, code, location, staged round bytes)
-_LargePlan = tuple[Signature, "weakref.ref[Any]", int, tuple[int, int, int, int], int]
+# (signature, a weak reference to the array, code, location, staged round bytes and items)
+_LargePlan = tuple[Signature, "weakref.ref[Any]", int, tuple[int, int, int, int], int, int]
 
 
 def _chunks(total: int, per: int) -> Iterator[tuple[int, int]]:
@@ -248,13 +248,12 @@ class CpuBackend(Backend):
         plan = self._large_plan
         if plan is None or plan[0] is not req.signature or plan[1]() is not arr:
             plan = self._large_plan = self._plan_large(req, arr)
-        _, _, code, loc, per_bytes = plan
+        _, _, code, loc, per_bytes, per = plan
         post = -1
         if code >= 0:
             if not loc[0] & 1:
                 # Staged, compiled: the first post and (every rank compiled) the rounds in one
                 # call; Python between them would run on caches the last call's data evicted.
-                per = max(per_bytes // flat.dtype.itemsize, 1)
                 post, done, left = sync.begin_rounds(req, flat, loc, self._slot_parity, code, per)
                 if done >= 0:
                     self._slot_parity ^= done & 1
@@ -279,7 +278,8 @@ class CpuBackend(Backend):
 
     def _plan_large(self, req: Request, arr: Any) -> _LargePlan:
         """What a large all-reduce of ``arr`` finds out before its first post: the helper's
-        reduction (-1: none), this rank's data location and the staged rounds' bytes."""
+        reduction (-1: none), this rank's data location and the staged rounds' bytes and
+        items."""
         # Large: a signature-only first post says where each rank's data is (flag bit 0: in
         # shared memory, so that ranks whose arrays all are can skip staging altogether) and
         # whether it runs compiled rounds (bit 1; then all ranks may take short ones).
@@ -290,7 +290,8 @@ class CpuBackend(Backend):
             loc = (loc[0] | _COMPILED, loc[1], loc[2], loc[3])
         short = arr.nbytes > _SHORT_ABOVE
         per_bytes = min(self.chunk, _COMPILED_ROUND) if short else self.chunk
-        return (req.signature, weakref.ref(arr), code, loc, per_bytes)
+        per = max(per_bytes // arr.dtype.itemsize, 1)
+        return (req.signature, weakref.ref(arr), code, loc, per_bytes, per)
 
     def _all_reduce_small(self, req: Request, arr: Any, par: int, staged: bool) -> None:
         """One phase: every rank stages its (contiguous) ``arr`` in slot ``par``, then reduces
