@@ -11,23 +11,46 @@ def _command_lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip().startswith("python3 -m venv")]
 
 
-def test_ci_runs_exactly_the_readme_test_command() -> None:
-    readme = _command_lines((ROOT / "README.md").read_text())
-    ci = _command_lines((ROOT / ".ci" / "run").read_text())
-    tests = [ln for ln in ci if "pytest" in ln]
-    assert len(tests) == 1, f".ci/run should hold one set-up-and-test line, found {tests}"
-    assert tests[0] in readme, f"README does not show the command .ci/run runs:\n{tests[0]}"
-    assert ci[-1] == tests[0], ".ci/run should end with the README's test command"
+def _readme_command(kind: str) -> str:
+    lines = _command_lines((ROOT / "README.md").read_text())
+    found = [ln for ln in lines if (kind in ln)]
+    assert len(found) == 1, f"README should show one {kind!r} command, found {found}"
+    return found[0]
 
 
-def test_ci_installs_the_parity_extra_it_documents() -> None:
-    # Without torch the differential suite skips: CI must install the extra that brings it,
-    # pinned to the CPU build the README names.
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "'.[parity]'" in ci
+def test_ci_runs_the_readme_test_command_first_in_a_fresh_environment() -> None:
+    # Verbatim, and before anything else is installed: an extra installed first (torch) once
+    # hid a README command that failed for everyone following it.
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = _readme_command("pytest")
+    assert command in ci, f".ci/run does not run the README's test command:\n{command}"
+    at = ci.index(command)
+    assert "rm -rf .venv" in ci[:at], ".ci/run must remove any old .venv before the README command"
+    before = [ln for ln in ci[:at] if "pip install" in ln]
+    assert not before, f".ci/run installs something before the README's test command: {before}"
+
+
+def test_ci_runs_the_parity_suite_after_the_readme_command() -> None:
+    # Without torch the differential suite skips: CI installs the extra that brings it, pinned
+    # to the CPU build the README names, only once the README's own command has passed.
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    at = ci.index(_readme_command("pytest"))
+    parity = [i for i, ln in enumerate(ci) if "'.[parity]'" in ln]
+    assert parity and min(parity) > at, ".ci/run should install '.[parity]' after the README test"
+    after = ci[min(parity) :]
+    assert any("pytest" in ln and "tests/tensorlib/parity" in ln for ln in after)
+    assert any(ln.strip().endswith("mypy .") for ln in after), "mypy must run again with torch"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'parity = ["torch==2.13.0"]' in pyproject
     assert "'.[parity]'" in (ROOT / "README.md").read_text()
+
+
+def test_ci_runs_the_readme_main_job_in_a_fresh_clone() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    job = _readme_command("examples/")
+    assert job in ci, f".ci/run does not run the README's main-job command:\n{job}"
+    before = ci[: ci.index(job)]
+    assert any("git clone" in ln for ln in before), "the main job should run in a fresh clone"
 
 
 def test_readme_main_job_runs_the_example() -> None:
