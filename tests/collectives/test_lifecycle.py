@@ -131,7 +131,8 @@ def start(jobs: list[Job], world_size: int, *case: str, **kw: Any) -> Job:
 
 
 # ------------------------------------------------------------------ (1) a frozen store host
-@pytest.mark.parametrize("world_size", [2, 3])
+# Three ranks: two peers wait on the frozen host at once (two ranks added nothing but 8 s).
+@pytest.mark.parametrize("world_size", [3])
 def test_peers_of_a_frozen_store_host_end_soon_after_their_timeout(
     jobs: list[Job], world_size: int
 ) -> None:
@@ -165,7 +166,7 @@ def test_destroy_with_a_frozen_store_host_is_bounded(jobs: list[Job]) -> None:
 
 
 # ------------------------------------------------------------------ (5) init -> destroy -> init
-@pytest.mark.parametrize("world_size,rounds", [(2, 100), (3, 100), (4, 100)])
+@pytest.mark.parametrize("world_size,rounds", [(2, 30), (3, 30), (4, 100)])
 def test_reinit_on_the_same_port_in_a_loop(jobs: list[Job], world_size: int, rounds: int) -> None:
     job = start(jobs, world_size, "reinit", str(rounds))
     job.wait(list(range(world_size)), deadline=90)

@@ -532,7 +532,7 @@ def test_timeout_names_op_seq_and_missing_rank(
 ) -> None:
     timeout = 1.5
     pool = launch(fresh, n, timeout=timeout)
-    got = results(pool.call("bodies:skip_collective", {"sleep": timeout + 1.5, "skipper": skipper}))
+    got = results(pool.call("bodies:skip_collective", {"sleep": timeout + 0.5, "skipper": skipper}))
     waiting = [r for r in range(n) if r != skipper]
     for rank in waiting:
         expect.timed_out(got[rank], timeout, FAST, f"ranks [{skipper}] never arrived")
@@ -628,7 +628,7 @@ def test_init_timeout_names_the_ranks_that_never_joined(fresh: list[RankThreads]
     assert "ranks [1] never joined" in text, text
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [2])  # one rank runs the same code minus the peer
 def test_benchmark_sweep_runs_on_the_fake(fake: fake_nccl.FakeNccl, tmp_path: Path, n: int) -> None:
     """benchmarks/nccl_bench.py's per-rank sweep and its report, on the fake (numbers are
     meaningless; this guards the one-shot GPU run against bugs outside NCCL)."""
