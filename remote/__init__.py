@@ -6,13 +6,16 @@ lists them with :func:`devices` and then runs ordinary tensorlib code on them: o
 the server without waiting (the client assigns ids and infers shapes and dtypes itself), and
 only reads (``.item()``, ``.numpy()``, printing) and ``device.synchronize()`` wait. Rank
 threads of ``spawn(..., backend="threads", devices=remote.devices(...))`` run DDP over the
-devices of one server, reducing on it (``_engine``). See docs/remote.md.
+devices of one server, reducing on it (``client._engine``). See docs/remote.md.
+
+Layout: ``client/`` (what runs in the user's process) and ``server/`` (what ``serve`` runs)
+never import each other; both build on the protocol here (``_wire``: the format and the one
+codec; ``_conn``: frames on a socket; ``_tls``; ``_errors``).
 """
 
-from . import _engine  # noqa: F401  (registers the threads backend's "remote" engine)
-from ._client import close, devices, stats
 from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError, RemoteOpError
-from ._server import Server, serve
+from .client import close, devices, stats
+from .server import Server, serve
 
 __all__ = [
     "RemoteAuthError",

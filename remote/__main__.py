@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from ._server import serve
+from .server import serve
 
 
 def _parser() -> argparse.ArgumentParser:

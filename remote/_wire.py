@@ -140,6 +140,9 @@ DROP, READ, SYNC, UPLOAD = 0, 1, 2, 3
 ADAM = OP_CODES["adam"]
 # A loss's reduction, as CROSS_ENTROPY's INT code indexes it.
 LOSS_REDUCTIONS = ("none", "sum", "mean")
+# The collectives and reductions a COLLECTIVE record names, by its INT kind and reduce op.
+KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
+REDUCE_OPS = ("sum", "avg", "prod", "min", "max")
 # Results an op makes, by op code: ids ``out`` .. ``out + n - 1`` (1 for all but these).
 OUTPUTS: tuple[int, ...] = tuple(
     {"linear_grad": 3, "cross_entropy": 2}.get(name, 1) for name in OPS

@@ -1,5 +1,5 @@
 """DDP over the remote devices of one server: rank threads of the threads backend, the
-gradients reduced on the server (``remote._engine``, ``remote._collective``)."""
+gradients reduced on the server (``remote.client._engine``, ``remote.server._collective``)."""
 
 from __future__ import annotations
 
@@ -200,8 +200,8 @@ def test_a_member_that_never_arrives_poisons_the_others_output_on_the_server(
 ) -> None:
     """The server's rendezvous does not wait forever: after the record's timeout the tensor
     of the member that came is poisoned, and its next read says who never arrived."""
-    from remote._client import session_of
     from remote._wire import OP_CODES
+    from remote.client._client import session_of
 
     dev = remote.devices(local_server.address, token=TOKEN)[0]
     x = tl.tensor(np.ones(4), device=dev).data

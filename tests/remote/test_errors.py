@@ -19,7 +19,8 @@ import pytest
 import remote
 import tensorlib as tl
 from collectives.framing import Seal
-from remote import _client, _session, _wire
+from remote import _wire
+from remote.client import _client, _session
 
 from .conftest import ROOT, TOKEN, ServerProcess, env, train_mlp
 
@@ -218,7 +219,7 @@ def test_a_device_of_a_server_not_reached_is_a_clear_error() -> None:
 def test_a_read_behind_a_long_frame_gets_heartbeats_not_a_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from remote import _server
+    from remote.server import _server
 
     monkeypatch.setattr(_server, "HEARTBEAT_S", 0.05)
     with remote.serve(["cpu"], token=TOKEN) as server:

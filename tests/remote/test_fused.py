@@ -16,7 +16,9 @@ import remote
 import tensorlib as tl
 import tensorlib.functional as F
 from collectives.framing import Seal
-from remote import _fused, _wire
+from remote import _wire
+from remote.client import _fused
+from remote.server import _ops
 from tensorlib import nn, optim
 
 from .conftest import TOKEN
@@ -124,7 +126,7 @@ def test_a_read_the_update_does_not_touch_is_answered_first_and_its_failure_come
     def boom(*args: Any, **kw: Any) -> None:
         raise FloatingPointError("boom")
 
-    monkeypatch.setattr(remote._ops, "adam_update", boom)  # the in-process server's
+    monkeypatch.setattr(_ops, "adam_update", boom)  # the in-process server's
     _fused.adam([(data, grad, m, v, None, 1)], **_adam_args())
     line = sys._getframe().f_lineno - 1
     assert float(loss.get()) == 2.5  # answered before the update ran (and failed)

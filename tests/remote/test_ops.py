@@ -12,7 +12,7 @@ import pytest
 import remote
 import tensorlib as tl
 import tensorlib.functional as F
-from remote import _infer
+from remote.client import _infer
 from tensorlib import nn, optim
 
 RNG = np.random.default_rng(0)

@@ -30,11 +30,10 @@ from typing import Any
 from collectives import CollectiveError, CollectiveMismatchError
 from collectives.backends.threads import NumpyEngine, ThreadJob, register_engine
 
+from .._errors import RemoteConnectionError
+from .._wire import KINDS, OP_CODES, REDUCE_OPS
 from ._array import RemoteArray
 from ._client import session_of
-from ._collective import KINDS, REDUCE_OPS
-from ._errors import RemoteConnectionError
-from ._wire import OP_CODES
 
 __all__ = ["RemoteEngine"]
 

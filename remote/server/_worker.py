@@ -17,10 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ._collective import collective_handler
-from ._conn import Framed
-from ._ops import ADAM_WRITTEN, adam_writes, handlers
-from ._wire import (
+from .._conn import Framed
+from .._wire import (
     ADAM,
     DROP,
     F64,
@@ -46,6 +44,8 @@ from ._wire import (
     put_array,
     reply,
 )
+from ._collective import collective_handler
+from ._ops import ADAM_WRITTEN, adam_writes, handlers
 
 __all__ = ["Worker"]
 

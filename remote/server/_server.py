@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import tensorlib as tl
 
-from ._conn import Framed, tune
-from ._tls import fingerprint_of, self_signed, server_context
-from ._wire import (
+from .._conn import Framed, tune
+from .._tls import fingerprint_of, self_signed, server_context
+from .._wire import (
     CONTROL,
     DEVICES,
     FLAG_AUTH,

@@ -18,12 +18,9 @@ import numpy as np
 
 import tensorlib as tl
 
-from . import _fused
-from ._array import RemoteArray
-from ._conn import Framed, tune
-from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError
-from ._session import Session
-from ._wire import (
+from .._conn import Framed, tune
+from .._errors import RemoteAuthError, RemoteConnectionError, RemoteError
+from .._wire import (
     CONTROL,
     DEVICES,
     FLAG_AUTH,
@@ -44,6 +41,9 @@ from ._wire import (
     server_proof,
     session_seal,
 )
+from . import _fused
+from ._array import RemoteArray
+from ._session import Session
 
 __all__ = ["ServerInfo", "devices", "dial", "stats"]
 

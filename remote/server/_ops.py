@@ -22,7 +22,7 @@ from tensorlib.functional import (
 )
 from tensorlib.optim import adam_update
 
-from ._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
+from .._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
 
 __all__ = ["ADAM_WRITTEN", "Handler", "adam_writes", "handlers"]
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._wire import FLAG_OUT
 from . import _array as _a
 from . import _infer
 from ._array import RemoteArray, code
-from ._wire import FLAG_OUT
 
 if TYPE_CHECKING:
     from ._session import Session

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._wire import FLAG_OUT, OP_CODES, Handle
 from . import _infer
-from ._wire import FLAG_OUT, OP_CODES, Handle
 
 if TYPE_CHECKING:
     from ._session import Session

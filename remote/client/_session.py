@@ -21,9 +21,8 @@ import numpy as np
 
 import tensorlib
 
-from ._array import RemoteArray, code
-from ._errors import RemoteConnectionError, RemoteError, RemoteOpError
-from ._wire import (
+from .._errors import RemoteConnectionError, RemoteError, RemoteOpError
+from .._wire import (
     DROP,
     HEARTBEAT,
     OP_ERROR,
@@ -44,10 +43,11 @@ from ._wire import (
     put,
     read_error,
 )
+from ._array import RemoteArray, code
 
 if TYPE_CHECKING:
+    from .._conn import Framed
     from ._client import ServerInfo
-    from ._conn import Framed
 
 __all__ = ["Session"]
 
@@ -60,9 +60,10 @@ FLUSH_RECORDS = 64
 # step than one frame of 8 and then the rest (A/B, alternated runs).
 FLUSH_FIRST = 2
 FLUSH_BYTES = 1 << 20
+# Frames in these directories are not call sites (remote's whole package, not only client/).
 _LIB_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
-    for m in (tensorlib, sys.modules[__package__])
+    for m in (tensorlib, sys.modules[(__package__ or "").rpartition(".")[0]])
 )
 _is_lib: dict[str, bool] = {}  # by file name
 _HEAD = RECORD_HEAD.pack

@@ -22,8 +22,8 @@ from tensorlib.functional import cross_entropy_grad as _ce_grad
 from tensorlib.functional import cross_entropy_targets
 from tensorlib.optim import adam_update
 
+from .._wire import ADAM, LOSS_REDUCTIONS, OP_CODES, Ids
 from ._array import RemoteArray
-from ._wire import ADAM, LOSS_REDUCTIONS, OP_CODES, Ids
 
 if TYPE_CHECKING:
     from ._session import Session

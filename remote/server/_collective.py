@@ -34,11 +34,10 @@ import numpy as np
 from collectives import ReduceOp
 from collectives.backends.threads import reduce_in_order
 
-__all__ = ["KINDS", "REDUCE_OPS", "collective_handler"]
+from .._wire import KINDS, REDUCE_OPS
 
-# The kinds and reductions a record may name (indexes; the client uses the same tables).
-KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
-REDUCE_OPS = ("sum", "avg", "prod", "min", "max")
+__all__ = ["collective_handler"]
+
 MAX_TIMEOUT_S = 3600.0
 # REDUCE_OPS as the engines' reduction names them.
 _OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)

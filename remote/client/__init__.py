@@ -1,0 +1,13 @@
+"""remote's client: what runs in the user's process.
+
+Reaching a server and its device kind (``_client``), one session a device (``_session``:
+records, frames, reads), the array handle and its ops (``_array``, ``_namespace``: the
+device's ``xp``), shape and dtype inference (``_infer``), the fused ops tensorlib asks the
+device kind for (``_fused``), and the threads backend's engine for remote arrays
+(``_engine``). It speaks to the server only through the protocol in ``remote._wire``.
+"""
+
+from . import _engine  # noqa: F401  (registers the threads backend's "remote" engine)
+from ._client import close, devices, stats
+
+__all__ = ["close", "devices", "stats"]
