@@ -39,13 +39,14 @@ from ._errors import (
     CollectiveTimeoutError,
     GroupAbortedError,
     PeerFailureError,
+    SpawnError,
 )
 from ._group import NonMemberGroup, ProcessGroup
-from ._parallel import Parallel
 from ._registry import available_backends, backend_unavailable_reason, register_backend
-from ._spawn import SpawnContext, SpawnError, spawn
 from ._types import ReduceOp
 from ._work import Work
+from .launch._parallel import Parallel
+from .launch._spawn import SpawnContext, spawn
 
 __all__ = [
     "Backend",

@@ -22,8 +22,8 @@ from ._group import NonMemberGroup, ProcessGroup
 from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
 from ._rank_threads import thread as _thread
 from ._registry import available_backends, get_backend_spec, registered_backends
+from ._setup_wait import SetupWatch, remember_peers
 from ._types import ReduceOp
-from .backends._setup_wait import SetupWatch, remember_peers
 
 __all__ = [
     "all_gather",

@@ -8,6 +8,7 @@ Every collective error names the rank, the op and its sequence number, in one fo
 
 from __future__ import annotations
 
+import signal
 from typing import TypeVar
 
 __all__ = [
@@ -16,7 +17,9 @@ __all__ = [
     "CollectiveTimeoutError",
     "GroupAbortedError",
     "PeerFailureError",
+    "SpawnError",
     "collective_error",
+    "signal_name",
     "unusable_error",
     "where",
 ]
@@ -124,3 +127,48 @@ def unusable_error(
         seq=seq,
         group=group,
     )
+
+
+def signal_name(signum: int) -> str:
+    """``9 -> "SIGKILL"``; unknown numbers become ``"signal 42"``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class SpawnError(RuntimeError):
+    """A rank started by :func:`spawn` or :class:`Parallel` failed.
+
+    The message names the rank that failed first and includes its own traceback, or the signal
+    that killed it.
+
+    Attributes:
+        rank: the global rank that failed first.
+        exit_code: its exit code, ``-N`` when killed by signal N, None when it reported an error
+            but had to be killed before it exited.
+        signal_name: e.g. ``"SIGKILL"`` when it died by a signal, else None.
+        exc_type: the qualified name of its exception, when it raised one.
+        traceback_text: its formatted traceback, when it raised one.
+        attempts: how many attempts ran (1 without restarts); the rest describes the last.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exit_code: int | None = None,
+        exc_type: str | None = None,
+        traceback_text: str | None = None,
+        attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.rank = rank
+        self.exit_code = exit_code
+        self.signal_name = (
+            signal_name(-exit_code) if exit_code is not None and exit_code < 0 else None
+        )
+        self.exc_type = exc_type
+        self.traceback_text = traceback_text

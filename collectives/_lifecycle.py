@@ -37,8 +37,8 @@ from typing import Any
 
 from ._env import EnvConfig
 from ._errors import CollectiveMismatchError, collective_error, where
-from .backends._proc import pid_alive, pid_namespace
-from .backends._setup_wait import SetupWatch
+from ._proc import pid_alive, pid_namespace
+from ._setup_wait import SetupWatch
 
 __all__ = [
     "FAILED_LINGER",

@@ -17,14 +17,14 @@ Restarts (``--max-restarts N``, one node): after a failed attempt is reported, t
 starts again, up to N times, with ``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` set to
 the attempt; nothing of the old attempt is left (its processes, segments, error files; the
 port is fresh unless ``--master-port`` was given). A signal to the launcher ends the job
-without a restart; the exit code is the last attempt's. See :mod:`collectives._restarts`.
+without a restart; the exit code is the last attempt's. See :mod:`collectives.launch._restarts`.
 
 Workers' stdout is inherited; their stderr goes through the launcher unchanged (raw bytes, so
 ``\\r`` progress bars still work), keeping the last 64 KiB per rank for the report.
 
 The policy's pieces (rank environment, GPU binding, shutdown, the report) live in
-:mod:`collectives._launch`, shared with ``spawn``; the options and their checks in
-:mod:`collectives._launch_args`. :func:`free_port` is exported here for code
+:mod:`collectives.launch._launcher`, shared with ``spawn``; the options and their checks in
+:mod:`collectives.launch._args`. :func:`free_port` is exported here for code
 that starts ranks itself (``from collectives.run import free_port``).
 
 Example:
@@ -50,7 +50,9 @@ from types import FrameType
 from typing import IO
 
 from ._errorfile import ERROR_FILE_ENV, extract_traceback, read_error_file
-from ._launch import (
+from .backends.cpu._shm import remove_run_segments
+from .launch._args import PROG, LaunchConfig, parse_args
+from .launch._launcher import (
     Failure,
     describe_exit,
     describe_others,
@@ -69,9 +71,7 @@ from ._launch import (
     signal_name,
     thread_env,
 )
-from ._launch_args import PROG, LaunchConfig, parse_args
-from ._restarts import attempt_run_id, attempt_title, restart_line, wait_groups_gone
-from .backends._shm import remove_run_segments
+from .launch._restarts import attempt_run_id, attempt_title, restart_line, wait_groups_gone
 
 __all__ = ["LaunchConfig", "free_port", "main", "parse_args"]
 

@@ -95,7 +95,7 @@ def test_imports_go_down_the_stack_and_only_through_public_modules() -> None:
         ("remote/_x.py", "from tensorlib._device_kinds import register", "private module"),
         ("ddp/_x.py", "from tensorlib._tensor import Tensor", "private module of tensorlib"),
         ("benchmarks/x.py", "from collectives import _registry", "private module"),
-        ("benchmarks/x.py", "from collectives.backends._nccl_lib import load", "private"),
+        ("benchmarks/x.py", "from collectives.backends.nccl._lib import load", "private"),
     ],
 )
 def test_the_layering_check_catches_each_kind_of_violation(

@@ -161,7 +161,7 @@ def test_cpu_py_is_the_cpu_backend_without_its_helper(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert all(r[8] == "0" and r[14] == "0" for r in data_rows(p.stdout))  # #wrong, both
     res = json.loads(out.read_text())["results"]
-    built = importlib.util.find_spec("collectives.backends._cshm") is not None
+    built = importlib.util.find_spec("collectives.backends.cpu._cshm") is not None
     assert res["cpu"]["native"] is built and res["cpu-py"]["native"] is False
 
 

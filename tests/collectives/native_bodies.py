@@ -65,7 +65,7 @@ def same_bits(
     checked = 0
     partial = 0
     if impatient:
-        from collectives.backends import _cpu_sync
+        from collectives.backends.cpu import _sync as _cpu_sync
 
         saved = sync.spin, sync.yield_time, _cpu_sync._CHUNK_SLEEP
         sync.spin = sync.yield_time = _cpu_sync._CHUNK_SLEEP = 0.0

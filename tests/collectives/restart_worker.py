@@ -51,7 +51,7 @@ def _running(pid: int) -> bool:
 
 def _earlier_leftovers(outdir: str, attempt: int) -> dict[str, list[str]]:
     """What this attempt finds of the earlier ones, before it creates anything itself."""
-    from collectives.backends._shm import run_tag
+    from collectives.backends.cpu._shm import run_tag
 
     left: dict[str, list[str]] = {"pids": [], "segments": [], "error_dirs": []}
     shm = os.listdir("/dev/shm")
@@ -91,7 +91,7 @@ def run(outdir: str, mode: str, fail_rank: int, fail_attempts: str) -> dict[str,
     import numpy as np
 
     import collectives
-    from collectives.backends._shm import Segment
+    from collectives.backends.cpu._shm import Segment
 
     failing = fail_attempts == "all" or str(attempt) in fail_attempts.split(",")
     leftovers = _earlier_leftovers(outdir, attempt)

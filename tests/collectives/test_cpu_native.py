@@ -1,4 +1,4 @@
-"""The cpu backend's compiled helper (``collectives/backends/_cshm.c``) and its pure-Python
+"""The cpu backend's compiled helper (``collectives/backends/cpu/_cshm.c``) and its pure-Python
 path: ``DPT_CPU_NATIVE`` picks one, both give bitwise the same results, ranks may mix them,
 and a mismatch fails on every rank with the same message either way.
 
@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 import collectives.backends
-from collectives.backends import _cpu_sync
+from collectives.backends.cpu import _sync as _cpu_sync
 from tests.collectives import expect
 from tests.collectives.expect import results
 from tests.collectives.harness import PoolCache, PoolSpec, RankPool
 
 pytestmark = pytest.mark.timeout(120)
 
-BUILT = importlib.util.find_spec("collectives.backends._cshm") is not None
+BUILT = importlib.util.find_spec("collectives.backends.cpu._cshm") is not None
 needs_helper = pytest.mark.skipif(
     not BUILT, reason="the compiled helper is not built (pip install -e . with a C compiler)"
 )
@@ -40,8 +40,8 @@ def test_env_picks_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DPT_CPU_NATIVE")
     assert (_cpu_sync.native_module() is not None) == BUILT
     # Not built (an import that fails): unset falls back; 1 says what is missing.
-    monkeypatch.setitem(sys.modules, "collectives.backends._cshm", None)
-    monkeypatch.delattr(collectives.backends, "_cshm", raising=False)
+    monkeypatch.setitem(sys.modules, "collectives.backends.cpu._cshm", None)
+    monkeypatch.delattr(collectives.backends.cpu, "_cshm", raising=False)
     assert _cpu_sync.native_module() is None
     monkeypatch.setenv("DPT_CPU_NATIVE", "1")
     with pytest.raises(RuntimeError, match="compiled helper is not built"):

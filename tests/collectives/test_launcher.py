@@ -20,7 +20,7 @@ from types import TracebackType
 import pytest
 
 from collectives import _errorfile
-from collectives._launch import describe_exit, exit_status, gpu_assignment
+from collectives.launch._launcher import describe_exit, exit_status, gpu_assignment
 from collectives.run import parse_args
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from collectives._errors import CollectiveError
-from collectives.backends import _nccl_lib as L
-from collectives.backends import _nccl_load
+from collectives.backends.nccl import _lib as L
+from collectives.backends.nccl import _load as _nccl_load
 from tests.collectives import expect
 from tests.collectives.expect import BLOCKS, DTYPE_OPS, MISMATCHES, NUMERIC, results
 from tests.collectives.harness import RankPool
@@ -221,7 +221,7 @@ def test_nccl_comm_blocking_env_is_reported(
     the timeout): the backend says so, once, and still works."""
     import warnings
 
-    from collectives.backends import _nccl_setup
+    from collectives.backends.nccl import _setup as _nccl_setup
 
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
     monkeypatch.setattr(_nccl_setup, "_warned", __import__("threading").Event())
@@ -561,7 +561,7 @@ def test_dead_local_peer_fails_waiting_ranks_fast(
 ) -> None:
     """A rank whose process is gone (here: declared dead; ranks are threads of one process)
     makes a rank waiting for it fail within seconds, naming its pid."""
-    from collectives.backends import _nccl_watch
+    from collectives.backends.nccl import _watch as _nccl_watch
 
     pool = launch(fresh, 2, timeout=LONG)
     pool.run("bodies:ping", {"seed": 0})

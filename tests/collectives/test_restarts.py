@@ -83,7 +83,7 @@ def _reports(err: str) -> list[str]:
 
 def _check_attempt(rec: dict[str, Any], world: int, max_restarts: int, job: str) -> None:
     """The attempt's variables, its all-reduce, and its segments' tag."""
-    from collectives.backends._shm import run_tag
+    from collectives.backends.cpu._shm import run_tag
 
     env, attempt = rec["env"], rec["attempt"]
     assert env["DPT_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == str(attempt), env

@@ -143,9 +143,9 @@ def test_pids_are_trusted_only_from_this_host_and_pid_namespace() -> None:
     """A rendezvous record's pid is checked only when it means the same process here: same
     node name and (when the record names one) the same pid namespace."""
     from collectives._backend import GroupInfo
+    from collectives._proc import pid_namespace
+    from collectives._setup_wait import SetupWatch
     from collectives._store import TCPStore
-    from collectives.backends._proc import pid_namespace
-    from collectives.backends._setup_wait import SetupWatch
 
     node, ns = platform.node(), pid_namespace()
     records = {
@@ -177,9 +177,9 @@ def test_a_setup_after_the_store_host_died_names_it_from_the_init_records() -> N
     0's pid from the store any more: what init_process_group read names it."""
     from collectives import PeerFailureError, _store
     from collectives._backend import GroupInfo
+    from collectives._proc import pid_namespace
+    from collectives._setup_wait import SetupWatch, remember_peers
     from collectives._store import TCPStore
-    from collectives.backends._proc import pid_namespace
-    from collectives.backends._setup_wait import SetupWatch, remember_peers
     from tests.collectives.test_store import SERVER_SCRIPT  # a store host, loaded by path
 
     host = subprocess.Popen(

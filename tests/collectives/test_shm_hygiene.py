@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives.backends import _shm
+from collectives.backends.cpu import _shm
 from collectives.run import free_port
 from tests.helpers import ROOT, run_to_end
 
@@ -38,7 +38,7 @@ _RANK = textwrap.dedent(
     """
     import time
     import collectives
-    from collectives.backends import _shm
+    from collectives.backends.cpu import _shm
     _shm.Segment.attach = lambda *args, **kwargs: time.sleep(600)
     collectives.init_process_group(backend='cpu', timeout=30)
     """
@@ -252,7 +252,7 @@ def test_run_tags_are_unique_per_job_not_per_prefix() -> None:
 _LEAVE_SEGMENT = textwrap.dedent(
     """
     import os, signal
-    from collectives.backends._shm import Segment
+    from collectives.backends.cpu._shm import Segment
     Segment.create(4096, "g-r0")  # this job's rank dies holding a named segment
     os.kill(os.getpid(), signal.SIGKILL)
     """

@@ -18,7 +18,7 @@ from collectives._signature import (
     same_p2p_call,
     template,
 )
-from collectives.backends._nccl_peers import AbortNotice
+from collectives.backends.nccl._peers import AbortNotice
 
 F32 = np.dtype(np.float32)
 

@@ -1,7 +1,7 @@
 """A fake ``libnccl.so.2`` that really performs collectives over host memory, one thread a rank.
 
 :class:`FakeNccl` has the function names and the C calling convention of the ctypes binding
-(``collectives/backends/_nccl_lib.py``): integer results, pointers as ints, out-parameters as
+(``collectives/backends/nccl/_lib.py``): integer results, pointers as ints, out-parameters as
 ctypes instances it writes into (where ctypes would pass a pointer), ``ncclUniqueId`` and
 ``ncclConfig_t`` as the binding's structures. Wrap it with ``Nccl(FakeNccl(), version, "fake")``
 and install it with ``_nccl_load.install`` to run the nccl backend without a GPU.
@@ -794,7 +794,8 @@ def _current_device() -> int:
 
 def install(version: int = 23203) -> tuple[FakeNccl, Any]:
     """Put a fresh fake in place of the process's NCCL; returns it and the replaced one."""
-    from collectives.backends import _nccl_lib, _nccl_load
+    from collectives.backends.nccl import _lib as _nccl_lib
+    from collectives.backends.nccl import _load as _nccl_load
 
     fake = FakeNccl(version)
     previous = _nccl_load.install(_nccl_lib.Nccl(fake, version, "fake libnccl (tests/fakes)"))

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from collectives.backends import _nccl_load
+from collectives.backends.nccl import _load as _nccl_load
 
 from . import fake_cupy, fake_nccl
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from collectives.backends._proc import pid_alive
+from collectives._proc import pid_alive
 
 from .pool import _SCRUB, _WORKER, REPO_ROOT, RankPool, Reply
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
 
-from collectives.backends._shm import run_tag
+from collectives.backends.cpu._shm import run_tag
 from collectives.run import free_port  # the launcher's own (re-exported as harness.free_port)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

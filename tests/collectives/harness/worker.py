@@ -57,7 +57,7 @@ def main() -> int:
         # would hold its GPU, its shared memory and its ports.
         import signal
 
-        from collectives._launch import set_parent_death_signal
+        from collectives.launch._launcher import set_parent_death_signal
 
         set_parent_death_signal(signal.SIGKILL, int(parent))
     commands: TextIO = sys.stdin
@@ -85,7 +85,7 @@ def main() -> int:
         # this rank created and published its segment, while it maps the peers'.
         import signal
 
-        from collectives.backends import _shm
+        from collectives.backends.cpu import _shm
 
         def die(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)

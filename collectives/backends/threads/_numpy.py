@@ -1,0 +1,121 @@
+"""The threads backend's NumPy engine: collectives among rank threads, in process memory.
+
+Every collective starts with :meth:`~._engines.ThreadEngine.meet`: each rank posts a
+reference to its array (and its signature), and gets every rank's. Then:
+
+* **all_reduce**: rank r reduces slice r of the flat arrays, in rank order 0..n-1, into
+  rank 0's array and copies it into every other rank's (``out=`` ufunc calls, which release
+  the GIL: the slices are reduced in parallel, no Python loop over elements); a barrier, and
+  every rank has the whole result. Every element is reduced once, in the same order as the
+  cpu backend's, so results are bitwise identical on every rank and to the cpu backend.
+* **reduce**: the same, into the root's array only (through a scratch slice, since the
+  root's array is also an input).
+* **broadcast / all_gather / all_to_all / reduce_scatter**: each rank copies (or reduces)
+  what it needs straight from the peers' arrays; a barrier keeps every input alive and
+  unchanged until all have read it.
+* **barrier**: the meeting itself. **send / recv**: a mailbox (the send copies the array).
+
+Nothing is staged: no shared-memory segment, no copy through the store. CuPy arrays are staged
+through host memory by the group (use ``cuda`` devices for the NCCL engine instead).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._backend import GroupInfo, Request
+from .._reduce import reduce_in_order
+from ._engines import ThreadEngine, ThreadJob, register_engine
+
+__all__ = ["NumpyEngine"]
+
+
+class NumpyEngine(ThreadEngine):
+    """The NumPy engine (see the module docstring)."""
+
+    def __init__(self, info: GroupInfo, job: ThreadJob) -> None:
+        super().__init__(info, job)
+
+    def _slice(self, count: int) -> tuple[int, int]:
+        n, r = self.size, self.rank
+        return (count * r) // n, (count * (r + 1)) // n
+
+    # ------------------------------------------------------------------ reductions
+    def _do_all_reduce(self, req: Request) -> None:
+        flat = req.array.reshape(-1)
+        flats = self.meet(req, flat)
+        lo, hi = self._slice(flat.size)
+        if hi > lo:
+            assert req.reduce_op is not None
+            first = flats[0][lo:hi]
+            reduce_in_order(first, [f[lo:hi] for f in flats], req.reduce_op, self.size)
+            for f in flats[1:]:
+                f[lo:hi] = first
+        self.phase(req)
+
+    def _do_reduce(self, req: Request) -> None:
+        flat = req.array.reshape(-1)
+        flats = self.meet(req, flat)
+        lo, hi = self._slice(flat.size)
+        if hi > lo:
+            assert req.reduce_op is not None
+            root = flats[req.root]
+            # The root's array is an input of every slice: reduce into scratch unless it is
+            # the first operand (read before it is written, element by element).
+            out = root[lo:hi] if req.root == 0 else np.empty(hi - lo, dtype=flat.dtype)
+            reduce_in_order(out, [f[lo:hi] for f in flats], req.reduce_op, self.size)
+            if req.root != 0:
+                root[lo:hi] = out
+        self.phase(req)
+
+    def _do_reduce_scatter(self, req: Request) -> None:
+        blocks = req.array.reshape(self.size, -1)
+        peers = self.meet(req, blocks)
+        assert req.reduce_op is not None
+        out = req.out.reshape(-1)
+        if out.size:
+            reduce_in_order(out, [p[self.rank] for p in peers], req.reduce_op, self.size)
+        self.phase(req)
+
+    # ------------------------------------------------------------------ data movement
+    def _do_broadcast(self, req: Request) -> None:
+        flat = req.array.reshape(-1)
+        src = self.meet(req, flat)[req.root]
+        if self.rank != req.root and flat.size:
+            flat[...] = src
+        self.phase(req)
+
+    def _do_all_gather(self, req: Request) -> None:
+        src = req.array.reshape(-1)
+        peers = self.meet(req, src)
+        out = req.out.reshape(self.size, -1)
+        if src.size:
+            for q, p in enumerate(peers):
+                out[q] = p
+        self.phase(req)
+
+    def _do_all_to_all(self, req: Request) -> None:
+        blocks = req.array.reshape(self.size, -1)
+        peers = self.meet(req, blocks)
+        out = req.out.reshape(self.size, -1)
+        if out.size:
+            for q, p in enumerate(peers):
+                out[q] = p[self.rank]
+        self.phase(req)
+
+    def _do_barrier(self, req: Request) -> None:
+        self.meet(req, None)
+
+    # ------------------------------------------------------------------ point to point
+    def _do_send(self, req: Request) -> None:
+        self.meeting.send(self.rank, req, self.info)
+
+    def _do_recv(self, req: Request) -> None:
+        self.meeting.recv(self.rank, req, self.info)
+
+
+register_engine(
+    "cpu",
+    NumpyEngine,
+    description="NumPy arrays reduced in process memory, each rank thread its slice",
+)
