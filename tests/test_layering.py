@@ -118,6 +118,70 @@ def test_the_layering_check_allows_what_the_stack_allows() -> None:
         assert violations(ROOT / where, source + "\n") == [], (where, source)
 
 
+# Rooms inside a package that may not import others (prefixes of module names). The process-group
+# core of collectives never imports its backends or the launcher (it finds backends through the
+# registry that collectives/__init__.py fills); backends never launch.
+WINGS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    # (who, except these of its own, may not import)
+    (
+        "collectives",
+        ("collectives.backends", "collectives.launch", "collectives.run"),
+        ("collectives.backends", "collectives.launch", "collectives.run"),
+    ),
+    ("collectives.backends", (), ("collectives.launch", "collectives.run")),
+]
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def wing_violations(path: Path, source: str | None = None) -> list[str]:
+    """The imports of ``path`` that cross a wall between rooms of one package (``WINGS``)."""
+    module = _module_name(path)
+    if path.name == "__init__.py" and module.count(".") == 0:
+        return []  # a package's public face gathers its rooms
+    text = path.read_text() if source is None else source
+    bad: list[str] = []
+    for who, exempt, forbidden in WINGS:
+        if not _within(module, who) or any(_within(module, e) for e in exempt):
+            continue
+        for target in imported_modules(text, module, path.name == "__init__.py"):
+            if any(_within(target, f) for f in forbidden):
+                bad.append(f"{module} imports {target} (a {who} module may not import {forbidden})")
+    return bad
+
+
+def test_rooms_inside_a_package_import_only_downward() -> None:
+    bad = [v for path in _sources(LIBRARIES) for v in wing_violations(path)]
+    assert not bad, "a wall inside a package is crossed:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("collectives/_x.py", "from .backends.cpu._shm import Segment"),
+        ("collectives/_x.py", "def f():\n    from .launch._spawn import spawn"),
+        ("collectives/_store/_x.py", "from ..backends import nccl"),
+        ("collectives/backends/cpu/_x.py", "from ...launch._launcher import free_port"),
+        ("collectives/backends/_x.py", "from collectives.run import main"),
+    ],
+)
+def test_the_wing_check_catches_an_upward_import(where: str, line: str) -> None:
+    assert wing_violations(ROOT / where, line + "\n"), (where, line)
+
+
+def test_the_wing_check_allows_downward_imports() -> None:
+    ok = [
+        ("collectives/launch/_x.py", "from ..backends.cpu._shm import remove_run_segments"),
+        ("collectives/backends/nccl/_x.py", "from ..._setup_wait import SetupWatch"),
+        ("collectives/run.py", "from .launch._args import parse_args"),
+        ("collectives/__init__.py", "from .launch._spawn import spawn"),
+    ]
+    for where, source in ok:
+        assert wing_violations(ROOT / where, source + "\n") == [], (where, source)
+
+
 def _oversized() -> list[str]:
     out = []
     for path in _sources(LIBRARIES):
