@@ -10,9 +10,9 @@ from ._autograd import (
     enable_grad,
     is_grad_enabled,
     no_grad,
-    queue_callback,
     set_grad_enabled,
 )
+from ._backward import queue_callback
 from ._tensor import Tensor
 from ._autocast import autocast
 from ._api import (

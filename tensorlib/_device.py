@@ -153,16 +153,21 @@ class Device:
         else:
             raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
         canonical = "cpu" if kind == "cpu" else f"cuda:{index}"
+        if kind == "cuda" and canonical not in cls._cache:  # the first use checks the GPU exists
+            cp = _load_cupy()
+            count = int(cp.cuda.runtime.getDeviceCount())
+            assert index is not None
+            if index >= count:
+                raise CudaUnavailableError(
+                    f"device {canonical!r} requested but only {count} GPU(s) are visible"
+                )
+        return cls._intern(spec, canonical, kind, index)
+
+    @classmethod
+    def _intern(cls, spec: str, canonical: str, kind: str, index: int | None) -> Device:
+        """The one Device named ``canonical`` (made on first use), cached under ``spec`` too."""
         dev = cls._cache.get(canonical)
         if dev is None:
-            if kind == "cuda":
-                cp = _load_cupy()
-                count = int(cp.cuda.runtime.getDeviceCount())
-                assert index is not None
-                if index >= count:
-                    raise CudaUnavailableError(
-                        f"device {canonical!r} requested but only {count} GPU(s) are visible"
-                    )
             dev = object.__new__(cls)
             dev.type = kind
             dev.index = index
@@ -182,15 +187,7 @@ class Device:
                 f"unknown device {spec!r}: no device kind {scheme!r} is registered{hint}"
             )
         canonical, index = kind.parse(name)
-        dev = cls._cache.get(canonical)
-        if dev is None:
-            dev = object.__new__(cls)
-            dev.type = kind.type
-            dev.index = index
-            dev._name = canonical
-            cls._cache[canonical] = dev
-        cls._cache[spec] = dev
-        return dev
+        return cls._intern(spec, canonical, kind.type, index)
 
     @property
     def xp(self) -> Any:

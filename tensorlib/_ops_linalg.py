@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from ._autograd import Function, take_grad_buffer
+from ._autograd import Function
+from ._backward import take_grad_buffer
 from ._device_kinds import fused_op
 from ._ops_elementwise import xp_of
 

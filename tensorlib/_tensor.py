@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _autograd
+from . import _autograd, _backward
 from ._device import CPU, Device, device_of, is_device_spec
 from ._dtype import SUPPORTED, is_floating, normalize_dtype
 from ._tensor_ops import Scalar, TensorOps
@@ -308,7 +308,7 @@ class Tensor(TensorOps):
             RuntimeError: for a non-scalar output without ``gradient``, a tensor that does not
                 require grad, or a second backward through freed intermediates.
         """
-        _autograd.run_backward(self, gradient, retain_graph)
+        _backward.run_backward(self, gradient, retain_graph)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> Any:
         """Call ``hook(self)`` right after this leaf's ``.grad`` was accumulated in backward.
@@ -322,7 +322,7 @@ class Tensor(TensorOps):
             raise RuntimeError("cannot register a grad hook on a tensor that does not require grad")
         if self._hooks is None:
             self._hooks = {}
-        handle = _autograd.RemovableHandle(self._hooks)
+        handle = _backward.RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
 
