@@ -15,10 +15,11 @@ from tensorlib import Device
 
 from . import _rank_threads
 from ._backend import GroupInfo
-from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env, resolve_init_method
+from ._env import EnvConfig, EnvError, mpiexec_world_size, read_env
 from ._errorfile import install_excepthook
 from ._exit import on_uncaught
 from ._group import NonMemberGroup, ProcessGroup
+from ._init_method import resolve_init_method
 from ._lifecycle import Peers, agree_on_members, bound_store, leave, reachable, release, rendezvous
 from ._rank_threads import thread as _thread
 from ._registry import available_backends, get_backend_spec, registered_backends

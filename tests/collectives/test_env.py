@@ -6,14 +6,8 @@ from typing import Any
 
 import pytest
 
-from collectives._env import (
-    EnvConfig,
-    EnvError,
-    InitAddress,
-    parse_init_method,
-    read_env,
-    resolve_init_method,
-)
+from collectives._env import EnvConfig, EnvError, read_env
+from collectives._init_method import InitAddress, parse_init_method, resolve_init_method
 
 # TEST-NET-1 (RFC 5737): never an address of this machine, so "another host".
 FOREIGN = "192.0.2.1"
