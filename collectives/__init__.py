@@ -40,6 +40,7 @@ from ._errors import (
     GroupAbortedError,
     PeerFailureError,
     SpawnError,
+    where,
 )
 from ._group import NonMemberGroup, ProcessGroup
 from ._registry import available_backends, backend_unavailable_reason, register_backend
@@ -92,4 +93,5 @@ __all__ = [
     "send",
     "show_config",
     "spawn",
+    "where",
 ]

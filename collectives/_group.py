@@ -103,6 +103,12 @@ class ProcessGroup:
         return self.backend.name
 
     @property
+    def accepts_device_arrays(self) -> bool:
+        """True when the backend takes CuPy arrays as they are (nccl, serial); False when the
+        group stages them through host memory for it (cpu, mpi)."""
+        return bool(self.backend.accepts_device_arrays)
+
+    @property
     def seq(self) -> int:
         """Number of collectives issued on this group so far."""
         return self._seq
