@@ -120,7 +120,8 @@ def test_the_layering_check_allows_what_the_stack_allows() -> None:
 
 # Rooms inside a package that may not import others (prefixes of module names). The process-group
 # core of collectives never imports its backends or the launcher (it finds backends through the
-# registry that collectives/__init__.py fills); backends never launch.
+# registry that collectives/__init__.py fills); backends never launch. remote's client and server
+# stand on the protocol between them and never import each other.
 WINGS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     # (who, except these of its own, may not import)
     (
@@ -129,6 +130,15 @@ WINGS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
         ("collectives.backends", "collectives.launch", "collectives.run"),
     ),
     ("collectives.backends", (), ("collectives.launch", "collectives.run")),
+    # remote: the protocol at the top (_wire, _conn, _tls, _errors...) serves both sides, and
+    # the client and the server never import each other.
+    (
+        "remote",
+        ("remote.client", "remote.server", "remote.__main__"),
+        ("remote.client", "remote.server"),
+    ),
+    ("remote.client", (), ("remote.server",)),
+    ("remote.server", (), ("remote.client",)),
 ]
 
 
@@ -161,6 +171,9 @@ def test_rooms_inside_a_package_import_only_downward() -> None:
     ("where", "line"),
     [
         ("collectives/_x.py", "from .backends.cpu._shm import Segment"),
+        ("remote/client/_x.py", "from ..server._ops import OPS"),
+        ("remote/server/_x.py", "from remote.client import _session"),
+        ("remote/_x.py", "from .server import _worker"),
         ("collectives/_x.py", "def f():\n    from .launch._spawn import spawn"),
         ("collectives/_store/_x.py", "from ..backends import nccl"),
         ("collectives/backends/cpu/_x.py", "from ...launch._launcher import free_port"),
@@ -177,6 +190,8 @@ def test_the_wing_check_allows_downward_imports() -> None:
         ("collectives/backends/nccl/_x.py", "from ..._setup_wait import SetupWatch"),
         ("collectives/run.py", "from .launch._args import parse_args"),
         ("collectives/__init__.py", "from .launch._spawn import spawn"),
+        ("remote/client/_x.py", "from .. import _wire\nfrom .._conn import Connection"),
+        ("remote/__init__.py", "from .client import devices\nfrom .server import serve"),
     ]
     for where, source in ok:
         assert wing_violations(ROOT / where, source + "\n") == [], (where, source)
