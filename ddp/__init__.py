@@ -10,9 +10,10 @@ from . import functional, idist
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._data import DataLoader
-from ._ddp import DistributedDataParallel, StepStats
+from ._ddp import DistributedDataParallel
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
 from ._join import Join, join
+from ._reducer import StepStats
 from ._sampler import DistributedSampler
 from ._sync import sync_gradients, sync_parameters
 

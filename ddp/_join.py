@@ -12,10 +12,12 @@ How it works (every rank sees the same numbers, so every rank decides alike):
 * A rank whose loop ended enters a shadow loop in ``__exit__``: it all-reduces the vector with
   zeros; a sum of zeros means every rank is done. Otherwise it issues what the active ranks
   issue in that step: the buffer broadcast (from the lowest active rank), and, for a
-  synchronizing step, each bucket's comm hook on a zeroed bucket, then the control all-reduce
-  with zeros (no missing parameter, none used).
+  synchronizing step, the reducer's :meth:`~ddp._reducer.Reducer.shadow_backward` (each
+  bucket's comm hook on a zeroed bucket, then the control all-reduce with zeros: no missing
+  parameter, none used).
 * After the buckets are reduced, a step with ``k < N`` ranks scales them by ``N / k`` (the
-  hook averaged over ``N``), for any averaging hook; with ``k == N`` nothing changes.
+  hook averaged over ``N``; the join sets the reducer's ``grad_scale``), for any averaging
+  hook; with ``k == N`` nothing changes.
 * Once every rank is done, if any step was uneven, the parameters, buffers and the given
   optimizers' state are copied from the lowest rank of the last non-empty step, so that every
   rank continues (next epoch) from identical state.
@@ -30,10 +32,10 @@ from typing import Any
 import numpy as np
 
 import collectives
-from collectives import ReduceOp
+from collectives import ReduceOp, where
 
 from ._ddp import DistributedDataParallel
-from ._hooks import GradBucket
+from ._sync import broadcast_module_buffers, broadcast_module_state
 
 __all__ = ["Join", "join"]
 
@@ -85,13 +87,14 @@ class Join:
     def __enter__(self) -> Join:
         if not self.enabled:
             return self
-        if self.model._join is not None:
+        reducer = self.model.reducer
+        if reducer.join is not None:
             raise RuntimeError(
-                f"[rank {collectives.get_rank()}] ddp.join: this model is already inside a "
+                f"{where(collectives.get_rank(), 'ddp.join')}: this model is already inside a "
                 "ddp.join block; nest none"
             )
         self._step, self._uneven, self._last_active = 0, False, []
-        self.model._join = self
+        reducer.join = self
         return self
 
     def __exit__(
@@ -102,7 +105,7 @@ class Join:
     ) -> None:
         if not self.enabled:
             return
-        self.model._join = None
+        self.model.reducer.join = None
         if exc_type is not None:
             # The body raised: shadowing now would pair this rank's collectives with the
             # others' next step. The others fail through the group (peer failure, timeout).
@@ -110,9 +113,9 @@ class Join:
         while (found := self._round(active=False, sync=False)) is not None:
             src, syncing = found
             if self.model.broadcast_buffers:
-                self.model._broadcast_buffers(src)
+                broadcast_module_buffers(self.group, self.model.module, src)
             if syncing:
-                self._shadow_backward()
+                self.model.reducer.shadow_backward()
         if self._uneven:
             self._final_sync()
 
@@ -142,10 +145,10 @@ class Join:
         group.all_reduce(vec, ReduceOp.SUM)
         step = self._step
         self._step += 1
-        where = f"[rank {collectives.get_rank()}] ddp.join, step {step}"
+        head = f"{where(collectives.get_rank(), 'ddp.join')}, step {step}"
         if vec[2 * n] not in (0, n):
             raise RuntimeError(
-                f"{where}: {int(vec[2 * n])} of {n} ranks passed throw_on_early_termination=True, "
+                f"{head}: {int(vec[2 * n])} of {n} ranks passed throw_on_early_termination=True, "
                 "the others False; pass the same value on every rank"
             )
         have = [r for r in range(n) if vec[r]]
@@ -156,7 +159,7 @@ class Join:
         if syncing and len(syncing) != len(have):
             local = [group.ranks[r] for r in have if not vec[n + r]]
             raise RuntimeError(
-                f"{where}: rank(s) {_ranks([group.ranks[r] for r in syncing])} ran a forward "
+                f"{head}: rank(s) {_ranks([group.ranks[r] for r in syncing])} ran a forward "
                 f"that synchronizes gradients, rank(s) {_ranks(local)} one under no_sync (or "
                 "no_grad); in each step every rank with data must do the same"
             )
@@ -165,7 +168,7 @@ class Join:
             if self.throw_on_early_termination:
                 out = [group.ranks[r] for r in range(n) if not vec[r]]
                 raise RuntimeError(
-                    f"{where}: rank(s) {_ranks(out)} ran out of data while rank(s) "
+                    f"{head}: rank(s) {_ranks(out)} ran out of data while rank(s) "
                     f"{_ranks(glob)} still had data (step {step} is forward #{step + 1} "
                     "under join); throw_on_early_termination=True stops every rank here"
                 )
@@ -173,34 +176,14 @@ class Join:
         if syncing:
             # The hook averages over all n ranks; the average over those with data is n/k
             # times that (exactly 1 when every rank has data: nothing changes).
-            self.model._grad_scale = n / len(have) if len(have) < n else 1.0
+            self.model.reducer.grad_scale = n / len(have) if len(have) < n else 1.0
         return glob[0], bool(syncing)
-
-    def _shadow_backward(self) -> None:
-        """What a synchronized backward issues, with zero gradients: every bucket through the
-        comm hook in bucket order, then the control all-reduce (nothing missing, none used)."""
-        m = self.model
-        last = len(m._buckets) - 1
-        for b in m._buckets:
-            b.buffer[...] = 0
-            gb = GradBucket(b.index, b.buffer, b.params, b.index == last)
-            m._works[b.index] = m._hook(m._hook_state, gb)
-        control = np.zeros(
-            1 + (len(m._params) if m.find_unused_parameters else 0), dtype=np.float64
-        )
-        error = m._wait_all(control)
-        m._reset_step()
-        if error is not None:
-            raise error
-        if control[0] > 0 and not m.find_unused_parameters:
-            # An active rank missed a parameter and gathers every rank's list: take part.
-            m._raise_missing(np.ones(len(m._params), dtype=bool))
 
     # ------------------------------------------------------------------ the end
     def _final_sync(self) -> None:
         """Copy the model and the optimizers' state from the last rank(s) to run out."""
         src = self._last_active[0]
-        self.model._sync_module_state(src)
+        broadcast_module_state(self.group, self.model.module, src)
         for opt in self.optimizers:
             _copy_state(self.group, opt, src, self.model)
 
@@ -260,11 +243,11 @@ def _copy_state(group: Any, obj: Any, src: int, model: DistributedDataParallel) 
     meta = group.broadcast_object(meta, src)
     if "error" in meta:
         raise TypeError(
-            f"[rank {collectives.get_rank()}] ddp.join: rank {src}'s {type(obj).__name__} state "
-            f"cannot be copied to the other ranks: {meta['error']}"
+            f"{where(collectives.get_rank(), 'ddp.join')}: rank {src}'s {type(obj).__name__} "
+            f"state cannot be copied to the other ranks: {meta['error']}"
         )
     specs = meta["arrays"]
-    device = next((p.device for p in model._params if p.device.type != "cpu"), None)
+    device = next((p.device for p in model.reducer.params if p.device.type != "cpu"), None)
     received: list[Any] = [None] * len(specs)
     kinds: dict[tuple[str, bool], list[int]] = {}
     for i, (dtype, _shape, host) in enumerate(specs):

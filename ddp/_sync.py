@@ -7,6 +7,10 @@ flat buckets of at most ``bucket_cap_mb`` (one per dtype and device), each bucke
 one all-reduce, and the results are written back. :func:`sync_parameters` makes every rank's
 parameters and buffers equal to one rank's (what DDP does at construction).
 
+DDP's own copies of a module's state, :func:`broadcast_module_state` (at construction and at
+the end of a :func:`ddp.join`) and :func:`broadcast_module_buffers` (before each forward), live
+here too.
+
 Outside any process group, or in a group of one, both are no-ops (world size 1).
 """
 
@@ -19,7 +23,13 @@ import collectives
 import tensorlib as tl
 from tensorlib import Tensor, nn
 
-__all__ = ["resolve_group", "sync_gradients", "sync_parameters"]
+__all__ = [
+    "broadcast_module_buffers",
+    "broadcast_module_state",
+    "resolve_group",
+    "sync_gradients",
+    "sync_parameters",
+]
 
 _OPS = ("avg", "sum", "min", "max", "prod")
 
@@ -178,3 +188,50 @@ def sync_parameters(
             pg.broadcast(tmp, src)
             t.data[...] = tmp
     return len(tensors)
+
+
+def broadcast_module_state(
+    group: collectives.ProcessGroup, module: nn.Module, src: int | None = None
+) -> None:
+    """Copy global rank ``src``'s (default: the group's first rank's) parameters and buffers
+    of ``module`` to every rank, one broadcast per dtype and device.
+
+    DDP's copy, not :func:`sync_parameters`: DDP has already checked that every rank holds
+    the same names, shapes and dtypes, so it concatenates, where :func:`sync_parameters`
+    broadcasts tensor by tensor so that the broadcasts themselves compare the shapes.
+    """
+    if group.size == 1:
+        return
+    src = group.ranks[0] if src is None else src
+    tensors = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
+    by_kind: dict[tuple[Any, Any], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (_dtype, device), ts in by_kind.items():
+        xp = device.xp
+        flat = xp.concatenate([t.data.reshape(-1) for t in ts]) if ts else None
+        if flat is None or flat.size == 0:
+            continue
+        group.broadcast(flat, src=src)
+        start = 0
+        for t in ts:
+            n = t.data.size
+            # Assign through the array's own shape: reshape(-1) of a non-contiguous array (a
+            # Parameter made from a transpose) is a copy, and the write would be lost.
+            t.data[...] = flat[start : start + n].reshape(t.data.shape)
+            start += n
+
+
+def broadcast_module_buffers(group: collectives.ProcessGroup, module: nn.Module, src: int) -> None:
+    """Copy global rank ``src``'s buffers of ``module`` to every rank, one broadcast each
+    (what DDP does before each forward with ``broadcast_buffers``)."""
+    for _, b in module.named_buffers():
+        data = b.data
+        if data.flags.c_contiguous:
+            group.broadcast(data, src=src)
+        else:
+            # Collectives take contiguous arrays only; a transposed buffer goes through
+            # a contiguous copy.
+            tmp = b.device.xp.ascontiguousarray(data)
+            group.broadcast(tmp, src=src)
+            data[...] = tmp

@@ -92,7 +92,7 @@ def test_ddp_on_a_gpu_at_world_size_one_matches_the_plain_model() -> None:
         wrapped = DistributedDataParallel(_model("cuda"))
         _train(plain, "cuda", 1, 0)
         _train(wrapped, "cuda", 1, 0)
-        for b in wrapped._buckets:
+        for b in wrapped.reducer.buckets:
             assert type(b.buffer).__module__.split(".")[0] == "cupy", type(b.buffer)
         for p in wrapped.parameters():
             assert p.grad is not None and p.grad.device.type == "cuda"

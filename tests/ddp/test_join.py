@@ -175,7 +175,7 @@ def test_join_arguments_and_world_size_1() -> None:
         with pytest.raises(TypeError, match="state_dict"):
             join(ddp, optimizers=[object()])
         with ddp.join(throw_on_early_termination=True) as j:
-            assert not j.enabled and ddp._join is None  # a no-op: nothing to shadow
+            assert not j.enabled and ddp.reducer.join is None  # a no-op: nothing to shadow
     finally:
         if created:
             collectives.destroy_process_group()
