@@ -1,10 +1,11 @@
-"""The remote wire protocol: its specification, the fixed op table, and the one codec.
+"""The remote wire protocol: its specification, the fixed op table, and the values' codec.
 
-Both ends build and parse every message with what is here; nothing from the wire is
-unpickled, evaluated or looked up by name: an op is a number that indexes :data:`OPS`, a
-dtype a number that indexes :data:`DTYPES`. A reviewer auditing the format needs this file,
-and ``_worker.Worker._frame``: the server's hot loop, which reads the common values of a
-record inline with these structs and every other value through :meth:`Reader.value`.
+Both ends build and parse every message with the protocol modules at the top of ``remote``
+(``client`` and ``server`` never write or read a byte of the format themselves): this one
+(frames, the op and dtype tables, values), ``_handshake`` (a connection's first frames) and
+``_records`` (a session's records and replies). Nothing from the wire is unpickled,
+evaluated or looked up by name: an op is a number that indexes :data:`OPS`, a dtype a number
+that indexes :data:`DTYPES`. A reviewer auditing the format needs these three files.
 
 Frames
 ------
@@ -15,95 +16,34 @@ a 32-byte tag ``HMAC-SHA256(session key, direction + big-endian u64 seq + payloa
 (direction ``b"C"`` from the client, ``b"S"`` from the server, ``seq`` counting that
 direction's frames from 0), counted by the length: a frame altered, dropped, replayed or
 reordered fails its tag and the connection is closed. Inside a frame everything is
-little-endian.
+little-endian, and the first payload byte is the frame's kind (the table below).
 
-Handshake (TLS, when used, wraps the socket first)::
-
-    server: GREETING  b"DPTR" u8 version u8 flags nonce[32]     (flags bit 0: token required)
-    client: HELLO     0x01 u8 version u16 device nonce[32] u8 n proof[n]
-    server: WELCOME   0x10 u8 n proof[n]          or REFUSED 0x14 u8 kind bytes message
-
-with ``proof = HMAC(token, b"dpt-remote v1 client" + sn + cn + u16 device)``, the server's
-proof the same with ``b"... server"``, the session key with ``b"... session"`` (empty proofs
-without a token). The token never crosses the wire; the server says nothing about its
-devices before the client's proof checked (``hmac.compare_digest``), and the client refuses a
-server that cannot prove the token too. ``device`` is ``CONTROL`` (0xFFFF) for a connection
-that asks for the device list (LIST 0x02 -> DEVICES 0x11 u16 count + count ``str``), else the
-index of the device the session runs on.
-
-Records
--------
-A session's client sends RECORDS frames (``0x03 u16 waits u32 count`` + records; ``waits``
-counts its READ and SYNC records), each record
-``u16 op u8 flags u32 out u8 nargs`` + ``nargs`` values. ``out`` is the id the client gave the
-result (ids are the client's; the server keeps one table per session); with ``FLAG_OUT`` it
-is an existing array written in place (``out=``). DROP frees ``out``; READ (``out`` = request
-id, one REF) and SYNC (``out`` = request id) are answered by REPLY ``0x12 u32 request u8
-status u32 n`` + ``n`` u64 seqs of the ops that failed since the last reply (``seq`` counts
-the session's records from 0), then for ``OK`` a READ's ARRAY value, for ``OP_ERROR`` ``u64
-seq u16 op str message``: the first op that failed since the last reply, or the one that
-poisoned the array read (UPLOAD puts its ARRAY argument in the table). HEARTBEAT (0x13)
-frames come once a second while a reply is due or a frame has run for over a second (a read
-may wait behind it, not yet received), so a client tells a busy server from a dead one.
-
-DROP with no values frees ``out``; with one IDS value it frees those ids (``out`` unused): a
-frame's frees go as one record.
-
-ADAM (``out`` unused, ``flags`` 0) is one fused Adam/AdamW update of ``n`` parameters:
-values ``lr, beta1, beta2, eps, weight_decay`` (INT or FLOAT: the client's Python numbers,
-unchanged), ``decoupled, maximize`` (booleans), then IDS of the ``n`` data, of their grads,
-exp_avgs, exp_avg_sqs, of their max_exp_avg_sqs (empty without amsgrad), and a TUPLE of
-``n`` INT steps; the server runs ``tensorlib.optim.adam_update`` on each parameter in order,
-the very function a local step runs.
-
-An op makes one result, ``out``, except those :data:`OUTPUTS` says make ``n``: ids ``out``
-to ``out + n - 1`` (the client takes consecutive ids for them; a failure poisons them all).
-The other fused ops run the functions tensorlib's own ops run, on the same arrays: LINEAR
-(``x, w, b or NONE``: ``tensorlib.functional.linear_forward``), LINEAR_GRAD (``g, x, w``
-and three booleans: which of ``gx, gw, gb`` to make, as three results; one not made is not
-stored), CROSS_ENTROPY (``logits,
-target, INT reduction`` (0 none, 1 sum, 2 mean) ``, INT ignore_index, FLOAT smoothing``;
-two results, the loss and the probabilities ``e / sum_e``), CROSS_ENTROPY_GRAD (``probs,
-target, g, INT ignore_index, FLOAT smoothing, INT reduction``: the logits' gradient),
-RELU_GRAD (``g, out``: ``tensorlib.functional.relu_backward``, ReLU's input gradient).
-
-Values: a u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id),
-TUPLE (u16 n + n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), IDS (u32 n + n
-u32 ids: a tuple of REFs, packed), ARRAY (u8 dtype, u8 ndim, ndim x u64 dims, the C-order
-little-endian bytes). No strings: an op's arguments are numbers, ids, dtypes and arrays only.
-A ``str`` elsewhere is ``u32 n`` + UTF-8.
+Values
+------
+A u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id), TUPLE (u16 n
++ n values), SLICE (3 INT or NONE), ELLIPSIS, DTYPE (u8 code), IDS (u32 n + n u32 ids: a
+tuple of REFs, packed), ARRAY (u8 dtype, u8 ndim, ndim x u64 dims, the C-order little-endian
+bytes). No strings: an op's arguments are numbers, ids, dtypes and arrays only. A ``str``
+elsewhere is ``u32 n`` + UTF-8.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
 import struct
 from typing import Any
 
 import numpy as np
 
-from collectives.framing import Seal
-
 PROTOCOL_VERSION = 3
-MAGIC = b"DPTR"
-NONCE_BYTES = 32
-MAX_HELLO_FRAME = 256
 MAX_FRAME_BYTES = 1 << 30
+MAX_HELLO_FRAME = 256
 MAX_NDIM = 32
 MAX_NEST = 8
-CONTROL = 0xFFFF
-FLAG_AUTH = 0x01
-FLAG_OUT = 0x01
 
-# Frame kinds (the first payload byte).
+# Frame kinds (the first payload byte): the handshake's (``_handshake``), then a session's.
 HELLO, LIST, RECORDS = 0x01, 0x02, 0x03
 WELCOME, DEVICES, REPLY, HEARTBEAT, REFUSED = 0x10, 0x11, 0x12, 0x13, 0x14
-# REPLY status.
-OK, OP_ERROR, BAD_REQUEST = 0, 1, 2
-# REFUSED kinds.
-REFUSED_AUTH, REFUSED_PROTOCOL, REFUSED_DEVICE, REFUSED_BUSY = 1, 2, 3, 4
 
 # The fixed op table: a record's op code is an index here, on both ends.
 OPS: tuple[str, ...] = (
@@ -129,7 +69,7 @@ OPS: tuple[str, ...] = (
     "setitem", "concatenate", "stack", "copy", "astype", "fill", "where", "clip", "add_at",
     # fused ops (one record for what tensorlib would issue as many ops)
     "adam", "linear", "linear_grad", "cross_entropy", "cross_entropy_grad", "relu_grad",
-    # collectives among sessions of one server (remote._collective)
+    # collectives among sessions of one server (remote.server._collective)
     "collective",
 )  # fmt: skip
 OP_CODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
@@ -167,19 +107,14 @@ U32 = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 F64 = struct.Struct("<d")
-RECORD_HEAD = struct.Struct("<HBIB")
+TAG_REF = struct.Struct("<BI")  # a REF value (the IDS value's head too)
+TAG_FLOAT = struct.Struct("<Bd")
 _TAG_INT = struct.Struct("<Bq")
-_TAG_FLOAT = struct.Struct("<Bd")
-_TAG_REF = struct.Struct("<BI")
 _TAG_U16 = struct.Struct("<BH")
 _ARRAY_HEAD = struct.Struct("<BBB")
-GREETING = struct.Struct(f"<{len(MAGIC)}sBB{NONCE_BYTES}s")
-_HELLO_HEAD = struct.Struct(f"<BBH{NONCE_BYTES}sB")
-REPLY_HEAD = struct.Struct("<BIB")
-_ERROR_HEAD = struct.Struct("<QH")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _I64_AT, _F64_AT, _U32_AT = I64.unpack_from, F64.unpack_from, U32.unpack_from
-_SMALL = (None, False, True)
+SMALL = (None, False, True)  # NONE, FALSE, TRUE by tag
 
 
 class ProtocolError(Exception):
@@ -208,9 +143,9 @@ def put(parts: list[bytes], v: Any, depth: int = 0) -> None:
     """
     t = type(v)
     if isinstance(v, Handle):
-        parts.append(_TAG_REF.pack(T_REF, v._id))
+        parts.append(TAG_REF.pack(T_REF, v._id))
     elif t is float:
-        parts.append(_TAG_FLOAT.pack(T_FLOAT, v))
+        parts.append(TAG_FLOAT.pack(T_FLOAT, v))
     elif t is bool:
         parts.append(U8.pack(T_TRUE if v else T_FALSE))
     elif t is int:
@@ -335,7 +270,7 @@ class Reader:
         tag = buf[pos]
         if tag <= T_TRUE:
             self.pos = pos + 1
-            return _SMALL[tag]
+            return SMALL[tag]
         if tag in (T_INT, T_FLOAT, T_REF):
             size = 5 if tag == T_REF else 9
             if pos + size > len(buf):
@@ -390,7 +325,7 @@ class Reader:
 
 def ids_value(ids: list[int]) -> bytes:
     """An IDS value: the ids as one packed run (a tuple of REFs on the server)."""
-    return _TAG_U32.pack(T_IDS, len(ids)) + struct.pack(f"<{len(ids)}I", *ids)
+    return TAG_REF.pack(T_IDS, len(ids)) + struct.pack(f"<{len(ids)}I", *ids)
 
 
 class Ids:
@@ -400,71 +335,3 @@ class Ids:
 
     def __init__(self, handles: list[Handle]) -> None:
         self.handles = handles
-
-
-_TAG_U32 = struct.Struct("<BI")
-
-
-# ---------------------------------------------------------------------------- records
-def record_head(op: int, flags: int, out: int, nargs: int) -> bytes:
-    return RECORD_HEAD.pack(op, flags, out, nargs)
-
-
-RECORDS_HEAD = struct.Struct("<BHI")  # kind, how many READ/SYNC records, records
-
-
-def reply(request: int, failed: list[int], error: tuple[int, int, str] | None = None) -> bytes:
-    """A REPLY: the seqs of the ops that failed since the last one, then (status OP_ERROR)
-    the error to raise; a READ's ARRAY follows an OK one."""
-    head = REPLY_HEAD.pack(REPLY, request, OK if error is None else OP_ERROR)
-    body = U32.pack(len(failed)) + b"".join(U64.pack(s) for s in failed)
-    if error is None:
-        return head + body
-    seq, op, message = error
-    data = message.encode("utf-8", "replace")[:4096]
-    return head + body + _ERROR_HEAD.pack(seq, op) + U32.pack(len(data)) + data
-
-
-def read_error(r: Reader) -> tuple[int, int, str]:
-    seq, op = r.unpack(_ERROR_HEAD)
-    return int(seq), int(op), r.str()
-
-
-def refused(kind: int, message: str) -> bytes:
-    data = message.encode("utf-8")[:200]
-    return U8.pack(REFUSED) + U8.pack(kind) + U32.pack(len(data)) + data
-
-
-# ---------------------------------------------------------------------------- handshake
-def _mac(token: bytes, label: bytes, sn: bytes, cn: bytes, device: int) -> bytes:
-    return hmac.new(token, label + sn + cn + U16.pack(device), hashlib.sha256).digest()
-
-
-def client_proof(token: bytes | None, sn: bytes, cn: bytes, device: int) -> bytes:
-    return b"" if token is None else _mac(token, b"dpt-remote v1 client", sn, cn, device)
-
-
-def server_proof(token: bytes | None, sn: bytes, cn: bytes, device: int) -> bytes:
-    return b"" if token is None else _mac(token, b"dpt-remote v1 server", sn, cn, device)
-
-
-def hello(device: int, cn: bytes, proof: bytes) -> bytes:
-    return _HELLO_HEAD.pack(HELLO, PROTOCOL_VERSION, device, cn, len(proof)) + proof
-
-
-def parse_hello(payload: bytes) -> tuple[int, int, bytes, bytes]:
-    """``(version, device, client nonce, proof)`` of a HELLO."""
-    r = Reader(payload)
-    kind, version, device, cn, n = r.unpack(_HELLO_HEAD)
-    if kind != HELLO or n > 64:
-        raise ProtocolError("not a HELLO")
-    proof = bytes(r.take(n))
-    r.done()
-    return int(version), int(device), bytes(cn), proof
-
-
-def session_seal(token: bytes, sn: bytes, cn: bytes, device: int, *, server: bool) -> Seal:
-    """The seal of one end of a session's connection, once both proofs checked out (the
-    framing's, ``collectives.framing``; a wrong tag raises :class:`ProtocolError`)."""
-    key = _mac(token, b"dpt-remote v1 session", sn, cn, device)
-    return Seal(key, server=server, error=ProtocolError)

@@ -1,6 +1,6 @@
 """``RemoteArray``: a handle to an array that lives in a server's session, used like NumPy's.
 
-Every operation on a handle becomes one record for the server (``_session.Session.issue``)
+Every operation on a handle becomes one record for the server (``Session.issue``)
 and returns a new handle at once: its shape and dtype are inferred here (``_infer``) and its
 id is chosen here, so nothing waits. Only reads (``get``, ``item``, ``bool``, ``repr``) wait
 for the server. A handle that is garbage-collected sends a drop record, freeing the array.
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._wire import FLAG_OUT, OP_CODES, Handle
+from .._records import FLAG_OUT
+from .._wire import OP_CODES, Handle
 from . import _infer
 
 if TYPE_CHECKING:

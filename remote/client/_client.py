@@ -20,27 +20,22 @@ import tensorlib as tl
 
 from .._conn import Framed, tune
 from .._errors import RemoteAuthError, RemoteConnectionError, RemoteError
-from .._wire import (
+from .._handshake import (
     CONTROL,
-    DEVICES,
     FLAG_AUTH,
-    GREETING,
-    LIST,
+    LIST_FRAME,
     MAGIC,
-    MAX_HELLO_FRAME,
     NONCE_BYTES,
-    PROTOCOL_VERSION,
-    REFUSED,
     REFUSED_AUTH,
-    U8,
-    WELCOME,
-    ProtocolError,
-    Reader,
     client_proof,
     hello,
+    parse_answer,
+    parse_device_list,
+    parse_greeting,
     server_proof,
     session_seal,
 )
+from .._wire import MAX_HELLO_FRAME, PROTOCOL_VERSION, ProtocolError
 from . import _fused
 from ._array import RemoteArray
 from ._session import Session
@@ -140,7 +135,7 @@ def _tls(sock: socket.socket, info: ServerInfo) -> socket.socket:
 
 
 def _handshake(framed: Framed, info: ServerInfo, device: int) -> None:
-    magic, version, flags, sn = GREETING.unpack(bytes(framed.recv(MAX_HELLO_FRAME)))
+    magic, version, flags, sn = parse_greeting(framed.recv(MAX_HELLO_FRAME))
     if magic != MAGIC:
         raise RemoteConnectionError(f"{info.where} is not a remote server (bad greeting)")
     if version != PROTOCOL_VERSION:
@@ -157,15 +152,11 @@ def _handshake(framed: Framed, info: ServerInfo, device: int) -> None:
         )
     cn = secrets.token_bytes(NONCE_BYTES)
     framed.send(hello(device, cn, client_proof(info.token, sn, cn, device)))
-    reply = Reader(framed.recv(4 * MAX_HELLO_FRAME))
-    kind = reply.u8()
-    if kind == REFUSED:
-        why, message = reply.u8(), reply.str()
+    proof, refusal = parse_answer(framed.recv(4 * MAX_HELLO_FRAME))
+    if refusal is not None:
+        why, message = refusal
         cls = RemoteAuthError if why == REFUSED_AUTH else RemoteError
         raise cls(f"remote server {info.where} refused the connection: {message}")
-    if kind != WELCOME:
-        raise ProtocolError(f"unexpected handshake reply {kind}")
-    proof = bytes(reply.take(reply.u8()))
     if not hmac.compare_digest(proof, server_proof(info.token, sn, cn, device)):
         raise RemoteAuthError(f"remote server {info.where} could not prove it knows the token")
     if info.token is not None:
@@ -199,11 +190,11 @@ def devices(
     framed = dial(info, CONTROL)
     try:
         framed.sock.settimeout(info.timeout)
-        framed.send(U8.pack(LIST))
-        r = Reader(framed.recv(1 << 20))
-        if r.u8() != DEVICES:
+        framed.send(LIST_FRAME)
+        specs = parse_device_list(framed.recv(1 << 20))
+        if specs is None:
             raise RemoteConnectionError(f"remote server {info.where} sent no device list")
-        info.specs = [r.str() for _ in range(r.u16())]
+        info.specs = specs
     except (OSError, EOFError, ProtocolError) as exc:
         raise RemoteConnectionError(f"remote server {info.where}: {exc}") from exc
     finally:

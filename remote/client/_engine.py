@@ -9,7 +9,7 @@ connection). A collective on remote arrays never brings data to the client:
    sent), and check that every member passed an array of its own session;
 2. each rank queues one COLLECTIVE record on its own session, naming only its own tensor ids,
    the group's random 128-bit key, the call's number and its member index
-   (``remote._collective``), and flushes it; the call returns at once, like any remote op;
+   (``remote.server._collective``), and flushes it; the call returns at once, like any remote op;
 3. the server's session workers meet on (key, number), reduce in member order and write each
    member's result into its own tensor; the ops that follow in each session run after it.
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._wire import FLAG_OUT
+from .._records import FLAG_OUT
 from . import _array as _a
 from . import _infer
 from ._array import RemoteArray, code

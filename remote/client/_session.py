@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import itertools
 import os
-import struct
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -22,27 +21,8 @@ import numpy as np
 import tensorlib
 
 from .._errors import RemoteConnectionError, RemoteError, RemoteOpError
-from .._wire import (
-    DROP,
-    HEARTBEAT,
-    OP_ERROR,
-    OPS,
-    READ,
-    RECORD_HEAD,
-    RECORDS,
-    RECORDS_HEAD,
-    REPLY,
-    REPLY_HEAD,
-    SYNC,
-    T_FLOAT,
-    T_REF,
-    U64,
-    ProtocolError,
-    Reader,
-    ids_value,
-    put,
-    read_error,
-)
+from .._records import OP_ERROR, Reply, drop_record, parse_reply, record, records_frame, reply_array
+from .._wire import HEARTBEAT, OPS, READ, SYNC, ProtocolError
 from ._array import RemoteArray, code
 
 if TYPE_CHECKING:
@@ -66,9 +46,6 @@ _LIB_DIRS = tuple(
     for m in (tensorlib, sys.modules[(__package__ or "").rpartition(".")[0]])
 )
 _is_lib: dict[str, bool] = {}  # by file name
-_HEAD = RECORD_HEAD.pack
-_REF = struct.Struct("<BI").pack
-_FLOAT = struct.Struct("<Bd").pack
 
 
 def _describe_site(site: tuple[Any, int] | None) -> str:
@@ -122,9 +99,9 @@ class Session:
     def issue(self, op: int, flags: int, out: int, args: tuple[Any, ...]) -> None:
         """Queue one record (its result id ``out`` is the caller's).
 
-        Every op runs this, so it is written for speed: the call site (the first frame
-        outside tensorlib and remote, kept as code and bytecode offset; its line is looked
-        up only if the op fails) and the common values are encoded inline.
+        Every op runs this, so it is written for speed: the call site is the first frame
+        outside tensorlib and remote, kept as code and bytecode offset (its line is looked
+        up only if the op fails); ``_records.record`` encodes the record.
         """
         f: Any = sys._getframe(1)
         is_lib = _is_lib
@@ -137,15 +114,7 @@ class Session:
                 break
             f = f.f_back
         site = None if f is None else (f.f_code, f.f_lasti)
-        parts = [_HEAD(op, flags, out, len(args))]
-        for a in args:
-            t = type(a)
-            if t is RemoteArray:
-                parts.append(_REF(T_REF, a._id))
-            elif t is float:
-                parts.append(_FLOAT(T_FLOAT, a))
-            else:
-                put(parts, a)
+        parts = record(op, flags, out, args)
         with self._lock:
             if self._dead is not None or self._framed is None:
                 self._append(parts, site)
@@ -224,13 +193,12 @@ class Session:
     def _flush(self) -> None:
         drops = self.drops
         if drops:  # one record frees them all
-            ids = [drops.popleft() for _ in range(len(drops))]
-            self._parts += (RECORD_HEAD.pack(DROP, 0, 0, 1), ids_value(ids))
+            self._parts += drop_record([drops.popleft() for _ in range(len(drops))])
             self._nbuf += 1
             self._sites.append(None)
         if not self._nbuf or self._framed is None:
             return
-        payload = RECORDS_HEAD.pack(RECORDS, self._waits, self._nbuf) + b"".join(self._parts)
+        payload = records_frame(self._waits, self._nbuf, self._parts)
         self._waits = 0
         self._flush_at = min(2 * self._flush_at, FLUSH_RECORDS)
         self._seq += self._nbuf
@@ -255,14 +223,11 @@ class Session:
             raise ValueError(f"array of {a._sess.device} read through {self.device}")
         with self._lock:
             req = next(self._reqs)
-            self._append([RECORD_HEAD.pack(READ, 0, req, 1)] + _ref(a), None)
+            self._append(record(READ, 0, req, (a,)), None)
             self._waits += 1
-            r = self._round_trip(req)
-            if r.u8() != 11:  # T_ARRAY
-                raise self._die("it sent a READ reply without an array")
+            rest = self._round_trip(req).rest
             try:
-                out = r.array()
-                r.done()
+                out = reply_array(rest)
             except ProtocolError as exc:
                 raise self._die(f"it sent a malformed reply ({exc})") from exc
         if out.shape != a.shape or out.dtype != a.dtype:
@@ -276,11 +241,11 @@ class Session:
         """Wait until the server ran every record sent so far (a round trip)."""
         with self._lock:
             req = next(self._reqs)
-            self._append([RECORD_HEAD.pack(SYNC, 0, req, 0)], None)
+            self._append(record(SYNC, 0, req, ()), None)
             self._waits += 1
             self._round_trip(req)
 
-    def _round_trip(self, req: int) -> Reader:
+    def _round_trip(self, req: int) -> Reply:
         self._flush()
         self._flush_at = FLUSH_FIRST
         self.round_trips += 1
@@ -293,16 +258,13 @@ class Session:
                 payload = framed.recv()
                 if payload[0] == HEARTBEAT:
                     continue
-                if payload[0] != REPLY:
-                    raise ProtocolError(f"unexpected frame kind {payload[0]}")
-                r = Reader(payload)
-                _, rid, status = r.unpack(REPLY_HEAD)
-                if rid != req:
-                    raise ProtocolError(f"a reply to request {rid}, waiting for {req}")
-                error = self._take_reply(r, status)
+                reply = parse_reply(payload)
+                if reply.request != req:
+                    raise ProtocolError(f"a reply to request {reply.request}, waiting for {req}")
+                error = self._take_reply(reply)
                 if error is not None:
                     raise error
-                return r
+                return reply
         except TimeoutError as exc:
             raise self._die(f"no reply and no heartbeat for {timeout:g} s") from exc
         except (OSError, EOFError, ProtocolError) as exc:
@@ -314,10 +276,9 @@ class Session:
                 except OSError:
                     pass
 
-    def _take_reply(self, r: Reader, status: int) -> RemoteOpError | None:
+    def _take_reply(self, reply: Reply) -> RemoteOpError | None:
         """Note the sites of every op the reply says failed; the error to raise, if any."""
-        for _ in range(r.u32()):
-            seq = r.unpack(U64)[0]
+        for seq in reply.failed:
             i, j = seq - self._site_base, seq - self._old_base
             if 0 <= i < len(self._sites):
                 self._failed[seq] = _describe_site(self._sites[i])
@@ -325,8 +286,10 @@ class Session:
                 self._failed[seq] = _describe_site(self._old_sites[j])
         self._old_base, self._old_sites = self._site_base, self._sites
         self._site_base, self._sites = self._seq, []
-        if status == OP_ERROR:
-            seq, op, message = read_error(r)
+        if reply.error is None:
+            return None
+        seq, op, message = reply.error
+        if reply.status == OP_ERROR:
             name = OPS[op] if op < len(OPS) else f"op {op}"
             site = self._failed.get(seq, "?")
             return RemoteOpError(
@@ -334,10 +297,7 @@ class Session:
                 op=name,
                 site=site,
             )
-        if status != 0:
-            seq, op, message = read_error(r)
-            return RemoteOpError(f"{self.device}: the server refused a request: {message}")
-        return None
+        return RemoteOpError(f"{self.device}: the server refused a request: {message}")
 
     def _die(self, why: str) -> RemoteConnectionError:
         err = RemoteConnectionError(
@@ -408,9 +368,3 @@ class Session:
             "bytes_sent": framed.sent if framed is not None else 0,
             "bytes_received": framed.received if framed is not None else 0,
         }
-
-
-def _ref(a: RemoteArray) -> list[bytes]:
-    parts: list[bytes] = []
-    put(parts, a)
-    return parts

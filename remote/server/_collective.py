@@ -1,11 +1,9 @@
 """The server's side of collectives among its sessions (DDP over remote devices).
 
-A threads job whose ranks are remote devices of one server (``remote._engine``) reduces on
-that server: each member's session sends one COLLECTIVE record (op ``"collective"``, the last
-of ``_wire.OPS``) naming only *its own* tensors, as plain integers::
-
-    out = the tensor written; args = (INT src id, INT dst id, INT key_hi, INT key_lo,
-    INT seq, INT member, INT members, INT kind, INT reduce op, INT root, FLOAT timeout)
+A threads job whose ranks are remote devices of one server (``remote.client._engine``)
+reduces on that server: each member's session sends one COLLECTIVE record naming only *its
+own* tensors, as plain integers (src and dst ids, the group's key, the call's number, the
+member, the kind, the reduction, the root, a timeout: the format is ``remote._records``').
 
 The session workers of the members meet on ``(key, seq)`` in this process's memory: the key
 is a random 128-bit value the client made for the group and gave its members only (a session

@@ -20,33 +20,25 @@ from collections.abc import Sequence
 import tensorlib as tl
 
 from .._conn import Framed, tune
-from .._tls import fingerprint_of, self_signed, server_context
-from .._wire import (
+from .._handshake import (
     CONTROL,
-    DEVICES,
-    FLAG_AUTH,
-    GREETING,
-    HEARTBEAT,
-    LIST,
-    MAGIC,
-    MAX_HELLO_FRAME,
     NONCE_BYTES,
-    PROTOCOL_VERSION,
     REFUSED_AUTH,
     REFUSED_DEVICE,
     REFUSED_PROTOCOL,
-    U8,
-    U16,
-    U32,
-    WELCOME,
-    ProtocolError,
-    Reader,
     client_proof,
+    device_list,
+    greeting,
     parse_hello,
+    parse_list,
     refused,
     server_proof,
     session_seal,
+    welcome,
 )
+from .._records import HEARTBEAT_FRAME
+from .._tls import fingerprint_of, self_signed, server_context
+from .._wire import MAX_HELLO_FRAME, PROTOCOL_VERSION, ProtocolError
 from ._worker import Worker
 
 __all__ = ["Server", "serve"]
@@ -163,14 +155,13 @@ class Server:
             ).start()
 
     def _heartbeats(self) -> None:
-        beat = U8.pack(HEARTBEAT)
         while not self._closed.wait(HEARTBEAT_S):
             now = time.monotonic()
             with self._lock:
                 workers = [w for w in self._workers if not w.closed and _due(w, now)]
             for w in workers:
                 try:
-                    w.framed.send(beat)
+                    w.framed.send(HEARTBEAT_FRAME)
                 except OSError:
                     pass
 
@@ -218,8 +209,7 @@ class Server:
         connection that got its device list)."""
         token = self._token
         sn = secrets.token_bytes(NONCE_BYTES)
-        flags = FLAG_AUTH if token is not None else 0
-        framed.send(GREETING.pack(MAGIC, PROTOCOL_VERSION, flags, sn))
+        framed.send(greeting(token is not None, sn))
         version, device, cn, proof = parse_hello(bytes(framed.recv(MAX_HELLO_FRAME)))
         if version != PROTOCOL_VERSION:
             framed.send(refused(REFUSED_PROTOCOL, f"protocol {version} is not {PROTOCOL_VERSION}"))
@@ -230,21 +220,13 @@ class Server:
         if device != CONTROL and device >= len(self.specs):
             framed.send(refused(REFUSED_DEVICE, f"no device {device} here"))
             return None
-        proof_s = server_proof(token, sn, cn, device)
-        framed.send(U8.pack(WELCOME) + U8.pack(len(proof_s)) + proof_s)
+        framed.send(welcome(server_proof(token, sn, cn, device)))
         if token is not None:
             framed.seal = session_seal(token, sn, cn, device, server=True)
         if device != CONTROL:
             return device
-        r = Reader(framed.recv(MAX_HELLO_FRAME))
-        if r.u8() != LIST:
-            raise ProtocolError("a control connection may only ask for the device list")
-        r.done()
-        parts = [U8.pack(DEVICES), U16.pack(len(self.specs))]
-        for spec in self.specs:
-            data = spec.encode("utf-8")
-            parts += [U32.pack(len(data)), data]
-        framed.send(b"".join(parts))
+        parse_list(framed.recv(MAX_HELLO_FRAME))
+        framed.send(device_list(self.specs))
         return None
 
 

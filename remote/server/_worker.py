@@ -10,7 +10,6 @@ costs nothing more) against ``max_session_bytes``.
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from typing import Any
@@ -18,38 +17,12 @@ from typing import Any
 import numpy as np
 
 from .._conn import Framed
-from .._wire import (
-    ADAM,
-    DROP,
-    F64,
-    FLAG_OUT,
-    I64,
-    OP_CODES,
-    OPS,
-    OUTPUTS,
-    READ,
-    RECORD_HEAD,
-    RECORDS,
-    RECORDS_HEAD,
-    SYNC,
-    T_FLOAT,
-    T_IDS,
-    T_INT,
-    T_REF,
-    T_TRUE,
-    U32,
-    ProtocolError,
-    Reader,
-    Ref,
-    put_array,
-    reply,
-)
+from .._records import FLAG_OUT, frame_waits, raw_values, read_target, records, reply
+from .._wire import ADAM, DROP, OP_CODES, OPS, OUTPUTS, READ, SYNC, Ref
 from ._collective import collective_handler
 from ._ops import ADAM_WRITTEN, adam_writes, handlers
 
 __all__ = ["Worker"]
-
-_SMALL = (None, False, True)
 
 
 class Poison:
@@ -110,9 +83,7 @@ class Worker:
         try:
             while not self.closed:
                 payload = self.framed.recv()
-                if len(payload) < RECORDS_HEAD.size:
-                    raise ProtocolError("a frame too short for records")
-                waits = RECORDS_HEAD.unpack_from(payload)[1]
+                waits = frame_waits(payload)
                 if waits:
                     self.add_waiting(waits)
                 self.busy_since = time.monotonic()
@@ -131,102 +102,27 @@ class Worker:
 
     # ------------------------------------------------------------------ one frame
     def _frame(self, payload: memoryview) -> None:
-        """Read and run a RECORDS frame's records, in order, in one pass.
-
-        The record format is ``_wire``'s; this loop reads its common values (REF, FLOAT,
-        INT, NONE, booleans) inline, a REF straight into the array it names, and every other
-        value through ``Reader.value``, since it runs for every record of every op.
-        """
-        r = Reader(payload)
-        kind, _, count = r.unpack(RECORDS_HEAD)
-        if kind != RECORDS:
-            raise ProtocolError(f"a session may only send records, got frame kind {kind}")
-        buf, pos, end = r.buf, r.pos, len(r.buf)
-        head, u32 = RECORD_HEAD.unpack_from, U32.unpack_from
-        f64, i64 = F64.unpack_from, I64.unpack_from
-        table, nops, n = self.table, len(OPS), 0
-        deferred: tuple[int, Any, Reader, int] | None = None
-        while pos < end:
+        """Run a RECORDS frame's records, in order, as ``_records.records`` decodes them
+        (each against the table as the records before it left it)."""
+        deferred: tuple[int, Any, memoryview, int] | None = None
+        for op, flags, oid, args, bad, start, end in records(payload, self.table, Poison):
             if self.closed:
                 return
-            if pos + 8 > end:
-                raise ProtocolError(f"truncated record at offset {pos}")
-            rec = pos
-            op, flags, oid, nargs = head(buf, pos)
-            pos += 8
-            n += 1
-            if op >= nops:
-                raise ProtocolError(f"unknown op code {op}")
-            if op <= SYNC:  # DROP, READ, SYNC: their REFs are ids, not operands
-                if op == DROP and nargs == 1 and pos + 5 <= end and buf[pos] == T_IDS:
-                    pos = self._drop_ids(buf, pos, end)  # a frame's frees: the common DROP
-                    continue
-                raw: list[Any] = []
-                r.pos = pos
-                for _ in range(nargs):
-                    raw.append(r.value())
-                pos = r.pos
-                self._session_record(op, oid, tuple(raw))
+            if op <= SYNC:  # DROP, READ, SYNC
+                self._session_record(op, oid, args)
                 if deferred is not None:  # the update the READ did not need to wait for
                     self._run_update(*deferred)
                     deferred = None
                 continue
             seq = self._seq
             self._seq = seq + 1
-            args: list[Any] = []
-            bad: Any = None  # a poisoned input (Poison) or a missing one (its id)
-            for _ in range(nargs):
-                if pos >= end:
-                    raise ProtocolError(f"truncated record at offset {pos}")
-                tag = buf[pos]
-                if tag == T_REF and pos + 5 <= end:
-                    i = u32(buf, pos + 1)[0]
-                    x = table.get(i)
-                    if x is None or type(x) is Poison:
-                        bad = bad if bad is not None else (i if x is None else x)
-                    args.append(x)
-                    pos += 5
-                elif tag == T_FLOAT and pos + 9 <= end:
-                    args.append(f64(buf, pos + 1)[0])
-                    pos += 9
-                elif tag == T_INT and pos + 9 <= end:
-                    args.append(i64(buf, pos + 1)[0])
-                    pos += 9
-                elif tag <= T_TRUE:
-                    args.append(_SMALL[tag])
-                    pos += 1
-                elif tag == T_IDS and pos + 5 <= end:  # packed REFs (ADAM's), resolved here
-                    k = u32(buf, pos + 1)[0]
-                    stop = pos + 5 + 4 * k
-                    if stop > end:
-                        raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
-                    ids = struct.unpack_from(f"<{k}I", buf, pos + 5)
-                    xs = tuple(map(table.get, ids))
-                    if bad is None:
-                        for i, x in zip(ids, xs, strict=True):
-                            if x is None or type(x) is Poison:
-                                bad = _missing(i) if x is None else x
-                                break
-                    args.append(xs)
-                    pos = stop
-                else:
-                    r.pos = pos
-                    v = r.value()
-                    pos = r.pos
-                    if type(v) is tuple:
-                        try:
-                            v = self._resolve(v)
-                        except (KeyError, _PoisonedError) as exc:
-                            bad = bad if bad is not None else _why(exc)
-                    args.append(v)
             if op == ADAM:
-                deferred = self._adam(seq, args, bad, r, rec, self._read_next(buf, pos, end))
+                read = self._read_next(payload, end)
+                deferred = self._adam(seq, args, bad, payload, start, read)
             elif bad is not None:
                 self._fail_input(seq, op, _results(op, oid), bad)
             else:
                 self._op(seq, op, flags, oid, args)
-        if n != count:
-            raise ProtocolError(f"a frame announced {count} records and held {n}")
 
     def _op(self, seq: int, op: int, flags: int, oid: int, args: list[Any]) -> None:
         """Run one op on resolved arguments; store its result or poison it."""
@@ -271,26 +167,18 @@ class Worker:
             return self.xp.asarray(x)
         raise TypeError(f"op {OPS[op]!r} produced a {type(x).__name__}")
 
-    def _session_record(self, op: int, oid: int, raw: tuple[Any, ...]) -> None:
+    def _session_record(self, op: int, oid: int, raw: list[Any]) -> None:
         """DROP (``oid``, or the ids of its one IDS value), READ and SYNC."""
         self._seq += 1
         if op == DROP:
-            ids = raw[0] if raw and type(raw[0]) is tuple else (oid,)
-            for i in ids:
-                self._free(i)
+            self._drop(raw[0] if raw and type(raw[0]) is tuple else (oid,))
         else:
             self._reply(op, oid, raw)
 
-    def _drop_ids(self, buf: memoryview, pos: int, end: int) -> int:
-        """Free the ids of the DROP record's IDS value at ``pos``; the offset after it
-        (``_free``, inlined: a step frees dozens)."""
-        k = U32.unpack_from(buf, pos + 1)[0]
-        stop = pos + 5 + 4 * k
-        if stop > end:
-            raise ProtocolError(f"truncated frame: {k} ids at offset {pos}")
-        self._seq += 1
+    def _drop(self, ids: tuple[int, ...]) -> None:
+        """Free ``ids`` (``_free``, inlined: a step frees dozens)."""
         table, owner, buffers = self.table, self._owner, self._buffers
-        for i in struct.unpack_from(f"<{k}I", buf, pos + 5):
+        for i in ids:
             table.pop(i, None)
             key = owner.pop(i, None)
             if key is not None:
@@ -299,12 +187,12 @@ class Worker:
                 if entry[0] == 0:
                     del buffers[key]
                     self.bytes -= entry[1]
-        return stop
 
     def _adam(
-        self, seq: int, args: list[Any], bad: Any, r: Reader, rec: int, read: Any
-    ) -> tuple[int, Any, Reader, int] | None:
-        """ADAM writes many arrays in place: a failure poisons every one it writes.
+        self, seq: int, args: list[Any], bad: Any, payload: memoryview, rec: int, read: Any
+    ) -> tuple[int, Any, memoryview, int] | None:
+        """ADAM writes many arrays in place: a failure poisons every one it writes (the ids
+        of the record at offset ``rec`` of ``payload``).
 
         Its checks run now; the update too, unless ``read`` (the array the next record, a
         READ, reads: ``_read_next``) is not one it writes: then the update is returned, to
@@ -313,40 +201,32 @@ class Worker:
         memory): that failure is reported at the next reply, naming ADAM's call site.
         """
         if bad is not None:
-            self._fail_input(seq, ADAM, adam_writes(self._raw(r, rec)), bad)
+            self._fail_input(seq, ADAM, adam_writes(raw_values(payload, rec)), bad)
             return None
         try:
             update = self._table[ADAM](args, None)  # type: ignore[misc]  # always in the table
         except Exception as exc:
-            self._fail(seq, ADAM, adam_writes(self._raw(r, rec)), f"{type(exc).__name__}: {exc}")
+            self._adam_failed(seq, payload, rec, exc)
             return None
         if read is not None and not _writes(args, read):
-            return (seq, update, r, rec)
-        self._run_update(seq, update, r, rec)
+            return (seq, update, payload, rec)
+        self._run_update(seq, update, payload, rec)
         return None
 
-    def _run_update(self, seq: int, update: Any, r: Reader, rec: int) -> None:
+    def _run_update(self, seq: int, update: Any, payload: memoryview, rec: int) -> None:
         try:
             update()
         except Exception as exc:
-            self._fail(seq, ADAM, adam_writes(self._raw(r, rec)), f"{type(exc).__name__}: {exc}")
+            self._adam_failed(seq, payload, rec, exc)
 
-    def _read_next(self, buf: memoryview, pos: int, end: int) -> Any:
+    def _adam_failed(self, seq: int, payload: memoryview, rec: int, exc: Exception) -> None:
+        self._fail(seq, ADAM, adam_writes(raw_values(payload, rec)), f"{type(exc).__name__}: {exc}")
+
+    def _read_next(self, payload: memoryview, pos: int) -> Any:
         """The array the record at ``pos`` reads, if it is a READ of one (else None)."""
-        if pos + 13 > end:
-            return None
-        op, _, _, nargs = RECORD_HEAD.unpack_from(buf, pos)
-        if op == READ and nargs == 1 and buf[pos + 8] == T_REF:
-            x = self.table.get(U32.unpack_from(buf, pos + 9)[0])
-            return x if isinstance(x, self._array_type) else None
-        return None
-
-    @staticmethod
-    def _raw(r: Reader, rec: int) -> tuple[Any, ...]:
-        """The values of the record at offset ``rec``, REFs as ids (it decoded once)."""
-        r.pos = rec
-        nargs = r.unpack(RECORD_HEAD)[3]
-        return tuple(r.value() for _ in range(nargs))
+        i = read_target(payload, pos)
+        x = None if i is None else self.table.get(i)
+        return x if isinstance(x, self._array_type) else None
 
     def _fail(self, seq: int, op: int, ids: list[int], message: str) -> None:
         poison = Poison(seq, op, message)
@@ -361,16 +241,7 @@ class Worker:
             for i in ids:
                 self._poison(i, bad)
         else:
-            message = bad if type(bad) is str else _missing(bad)
-            self._fail(seq, op, ids, f"KeyError: {message!r}")
-
-    def _resolve(self, v: Any) -> Any:
-        t = type(v)
-        if t is Ref:
-            return self._array(v)
-        if t is tuple:
-            return tuple(self._resolve(x) for x in v)
-        return v
+            self._fail(seq, op, ids, f"KeyError: {_missing(bad)!r}")  # bad: the id
 
     def _array(self, i: int) -> Any:
         x = self.table.get(i)
@@ -380,11 +251,11 @@ class Worker:
             raise _PoisonedError(x)
         return x
 
-    def _reply(self, op: int, req: int, args: tuple[Any, ...]) -> None:
+    def _reply(self, op: int, req: int, args: list[Any]) -> None:
         failed, first = self._failed, self._first
         self._failed, self._first = [], None
         error = None if first is None else (first.seq, first.op, first.message)
-        parts: list[bytes] = []
+        array = None
         if op == READ and error is None:
             x = self.table.get(args[0]) if args and type(args[0]) is Ref else None
             if type(x) is Poison:
@@ -392,9 +263,8 @@ class Worker:
             elif x is None:
                 error = (self._seq - 1, READ, f"no array {args[0] if args else '?'} to read")
             else:
-                parts = []
-                put_array(parts, x if isinstance(x, np.ndarray) else x.get())
-        self.framed.send(reply(req, failed, error), *parts)
+                array = x if isinstance(x, np.ndarray) else x.get()
+        self.framed.send(*reply(req, failed, error, array))
         with self._lock:
             self.waiting -= 1
 
@@ -462,9 +332,3 @@ def _results(op: int, oid: int) -> list[int]:
 
 def _missing(i: int) -> str:
     return f"no array {i} in this session (freed, or never made)"
-
-
-def _why(exc: Exception) -> Any:
-    if isinstance(exc, _PoisonedError):
-        return exc.poison
-    return str(exc.args[0]) if exc.args else "a missing array"

@@ -19,6 +19,8 @@ import pytest
 import remote
 import tensorlib as tl
 from collectives.framing import Seal
+from remote import _handshake as wire_handshake
+from remote import _records as wire_records
 from remote import _wire
 from remote.client import _client, _session
 
@@ -150,13 +152,13 @@ def _handshake(server: remote.Server) -> tuple[socket.socket, Seal]:
     host, port = server.address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     (n,) = struct.unpack(">I", s.recv(4))
-    _, _, _, sn = _wire.GREETING.unpack(s.recv(n))
+    _, _, _, sn = wire_handshake.GREETING.unpack(s.recv(n))
     cn = os.urandom(32)
-    hello = _wire.hello(0, cn, _wire.client_proof(TOKEN.encode(), sn, cn, 0))
+    hello = wire_handshake.hello(0, cn, wire_handshake.client_proof(TOKEN.encode(), sn, cn, 0))
     s.sendall(struct.pack(">I", len(hello)) + hello)
     (n,) = struct.unpack(">I", s.recv(4))
-    assert s.recv(n)[0] == _wire.WELCOME
-    return s, _wire.session_seal(TOKEN.encode(), sn, cn, 0, server=False)
+    assert s.recv(n)[0] == wire_handshake.WELCOME
+    return s, wire_handshake.session_seal(TOKEN.encode(), sn, cn, 0, server=False)
 
 
 def _closed_by_server(s: socket.socket) -> bool:
@@ -190,8 +192,9 @@ def test_fuzzed_frames_close_only_their_connection(
         assert _closed_by_server(s)
         s.close()
     # After the handshake: garbage records, an unknown op, a replayed sealed frame.
-    records = _wire.RECORDS_HEAD.pack(_wire.RECORDS, 0, 1) + _wire.record_head(250, 0, 1, 0)
-    garbage = _wire.RECORDS_HEAD.pack(_wire.RECORDS, 0, 3) + rng.bytes(40)
+    head = wire_records.RECORDS_HEAD
+    records = head.pack(_wire.RECORDS, 0, 1) + wire_records.record_head(250, 0, 1, 0)
+    garbage = wire_records.RECORDS_HEAD.pack(_wire.RECORDS, 0, 3) + rng.bytes(40)
     for payload in (records, garbage):
         s, seal = _handshake(local_server)
         tag = seal.tag(payload)
@@ -199,7 +202,7 @@ def test_fuzzed_frames_close_only_their_connection(
         assert _closed_by_server(s)
         s.close()
     s, seal = _handshake(local_server)
-    sync = _wire.RECORDS_HEAD.pack(_wire.RECORDS, 0, 0)
+    sync = wire_records.RECORDS_HEAD.pack(_wire.RECORDS, 0, 0)
     frame = struct.pack(">I", len(sync) + 32) + sync + seal.tag(sync)
     s.sendall(frame + frame)  # the second is a replay: its tag fails
     assert _closed_by_server(s)

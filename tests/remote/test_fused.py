@@ -16,6 +16,7 @@ import remote
 import tensorlib as tl
 import tensorlib.functional as F
 from collectives.framing import Seal
+from remote import _records as wire_records
 from remote import _wire
 from remote.client import _fused
 from remote.server import _ops
@@ -163,11 +164,11 @@ def _sealed(seal: Seal, payload: bytes) -> bytes:
 
 
 def _records(*records: bytes, waits: int = 0) -> bytes:
-    return _wire.RECORDS_HEAD.pack(_wire.RECORDS, waits, len(records)) + b"".join(records)
+    return wire_records.RECORDS_HEAD.pack(_wire.RECORDS, waits, len(records)) + b"".join(records)
 
 
 def _record(op: str, out: int, *values: Any) -> bytes:
-    parts = [_wire.record_head(_wire.OP_CODES[op], 0, out, len(values))]
+    parts = [wire_records.record_head(_wire.OP_CODES[op], 0, out, len(values))]
     for v in values:
         if isinstance(v, bytes):
             parts.append(v)  # already encoded
@@ -188,7 +189,7 @@ def _valid_frame() -> bytes:
         "adam", 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, *ids, _wire.ids_value([]), (1,)
     )
     free = _record("drop", 0, _wire.ids_value([2, 99]))
-    sync = _wire.record_head(_wire.SYNC, 0, 1, 0)
+    sync = wire_records.record_head(_wire.SYNC, 0, 1, 0)
     return _records(*ups, adam, free, sync, waits=1)
 
 
@@ -226,9 +227,9 @@ def test_adam_and_ids_records_fuzzed_close_or_fail_only_their_own_session(
     for k in range(120):
         b = bytearray(frame)
         if k % 3 == 0:  # truncated at a random place (the count no longer matches)
-            b = b[: int(rng.integers(_wire.RECORDS_HEAD.size, len(b)))]
+            b = b[: int(rng.integers(wire_records.RECORDS_HEAD.size, len(b)))]
         else:  # random bytes changed, the frame's tag still right: the records are hostile
-            for i in rng.integers(_wire.RECORDS_HEAD.size, len(b), 3):
+            for i in rng.integers(wire_records.RECORDS_HEAD.size, len(b), 3):
                 b[i] = int(rng.integers(0, 256))
         s, seal = _handshake(local_server)
         s.sendall(_sealed(seal, bytes(b)))
@@ -244,7 +245,7 @@ def test_adam_and_ids_records_fuzzed_close_or_fail_only_their_own_session(
     s.sendall(_sealed(seal, _records(huge)))
     assert _closed_by_server(s)
     s.close()
-    sync = _wire.record_head(_wire.SYNC, 0, 1, 0)
+    sync = wire_records.record_head(_wire.SYNC, 0, 1, 0)
     odd = _records(_record("add", 5, _wire.ids_value([1]), 1.0), sync, waits=1)
     s, seal = _handshake(local_server)
     s.sendall(_sealed(seal, odd))

@@ -13,6 +13,7 @@ import pytest
 import remote
 import tensorlib as tl
 import tensorlib.functional as F
+from remote import _records as wire_records
 from remote import _wire
 
 from .conftest import TOKEN
@@ -137,7 +138,7 @@ def _fused_frame() -> bytes:
         _record("cross_entropy_grad", 30, _ref(21), _ref(4), _ref(20), -100, 0.0, 2),
         _record("relu_grad", 40, _ref(10), _ref(10)),
     ]
-    sync = _wire.record_head(_wire.SYNC, 0, 1, 0)
+    sync = wire_records.record_head(_wire.SYNC, 0, 1, 0)
     return _records(*ups, *recs, sync, waits=1)
 
 
@@ -146,7 +147,7 @@ def test_fused_nn_records_malformed_or_fuzzed_fail_or_close_only_their_own_sessi
     local_server: remote.Server, rdev: tl.Device
 ) -> None:
     keep = tl.tensor(np.arange(3.0), device=rdev)
-    sync = _wire.record_head(_wire.SYNC, 0, 1, 0)
+    sync = wire_records.record_head(_wire.SYNC, 0, 1, 0)
     hostile = [
         _record("linear", 5, 1.0, 2.0, None),  # numbers for arrays
         _record("linear_grad", 5, _ref(1), _ref(1), _ref(1), 1, 0, 0),  # ints for booleans
@@ -171,9 +172,9 @@ def test_fused_nn_records_malformed_or_fuzzed_fail_or_close_only_their_own_sessi
     for k in range(60):
         b = bytearray(frame)
         if k % 3 == 0:
-            b = b[: int(rng.integers(_wire.RECORDS_HEAD.size, len(b)))]
+            b = b[: int(rng.integers(wire_records.RECORDS_HEAD.size, len(b)))]
         else:
-            for i in rng.integers(_wire.RECORDS_HEAD.size, len(b), 3):
+            for i in rng.integers(wire_records.RECORDS_HEAD.size, len(b), 3):
                 b[i] = int(rng.integers(0, 256))
         s, seal = _handshake(local_server)
         s.sendall(_sealed(seal, bytes(b)))
