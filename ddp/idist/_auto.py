@@ -1,4 +1,12 @@
-"""Ignite's ``auto_*`` helpers and rank filters, over ``ddp.auto_*`` and ``ddp.one_rank_only``."""
+"""Ignite's ``auto_*`` helpers and rank filters, over ``ddp.auto_*`` and ``ddp.one_rank_only``.
+
+One implementation: these are Ignite's signatures over ``ddp``'s helpers, which do the work.
+What differs is what Ignite's reference fixes: ``auto_model``'s ``sync_bn``,
+``auto_dataloader(dataset, **kwargs)`` with torch's DataLoader options (``shuffle`` False by
+default, loader-process options accepted and ignored, a sampler of one's own), ``auto_optim``'s
+Horovod keywords refused, and ``one_rank_only(with_barrier=False)`` by default (``ddp``'s waits
+by default, so that a rank-0 write is on disk before the others go on).
+"""
 
 from __future__ import annotations
 

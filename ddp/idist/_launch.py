@@ -228,4 +228,6 @@ class Parallel:
             )
         if mode == "spawn":
             return self._inner.run(fn, *args, **kwargs)
+        # Not the inner run: idist's local rank honours idist.set_local_rank (a launcher that
+        # sets no LOCAL_RANK), which collectives' does not know.
         return fn(get_local_rank(), *args, **kwargs)
