@@ -78,6 +78,11 @@ UNARY_UFUNCS = OPS[OP_CODES["negative"] : OP_CODES["reciprocal"] + 1]
 REDUCTIONS = OPS[OP_CODES["sum"] : OP_CODES["prod"] + 1]
 DROP, READ, SYNC, UPLOAD = 0, 1, 2, 3
 ADAM = OP_CODES["adam"]
+# ADAM's leading values, in record order: tensorlib.optim.adam_update's keyword arguments
+# (numbers, then booleans), by which both ends build and read them.
+ADAM_NUMBERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+ADAM_FLAGS = ("decoupled", "maximize")
+ADAM_HYPER = ADAM_NUMBERS + ADAM_FLAGS
 # A loss's reduction, as CROSS_ENTROPY's INT code indexes it.
 LOSS_REDUCTIONS = ("none", "sum", "mean")
 # The collectives and reductions a COLLECTIVE record names, by its INT kind and reduce op.

@@ -22,7 +22,7 @@ from tensorlib.functional import cross_entropy_grad as _ce_grad
 from tensorlib.functional import cross_entropy_targets
 from tensorlib.optim import adam_update
 
-from .._wire import ADAM, LOSS_REDUCTIONS, OP_CODES, Ids
+from .._wire import ADAM, ADAM_FLAGS, ADAM_HYPER, ADAM_NUMBERS, LOSS_REDUCTIONS, OP_CODES, Ids
 from ._array import RemoteArray
 
 if TYPE_CHECKING:
@@ -36,34 +36,25 @@ _CROSS_ENTROPY_GRAD = OP_CODES["cross_entropy_grad"]
 _RELU_GRAD = OP_CODES["relu_grad"]
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
+_HYPER_KEYS = frozenset(ADAM_HYPER)
 # Parameters per ADAM record: a TUPLE holds at most 0xFFFF values.
 _CHUNK = 4096
 
 
-def adam(
-    params: list[tuple[Any, Any, Any, Any, Any, int]],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-) -> None:
+def adam(params: list[tuple[Any, Any, Any, Any, Any, int]], **hyper: Any) -> None:
     """Adam/AdamW on ``params`` (``(data, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or None,
-    step)`` each, remote arrays): one record per session.
+    step)`` each, remote arrays): one record per session. ``hyper`` are the keyword
+    arguments of ``tensorlib.optim.adam_update`` (``lr``, ``beta1``, ...: ``ADAM_HYPER``).
 
     Hyper-parameters that are not plain Python numbers (a NumPy scalar from a schedule, say)
     would round differently once sent as numbers, so those groups take tensorlib's op-by-op
     update instead, as do arrays of other kinds.
     """
-    hyper: dict[str, Any] = {
-        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
-        "decoupled": decoupled, "maximize": maximize,
-    }  # fmt: skip
-    plain = all(type(v) in (int, float) for v in (lr, beta1, beta2, eps, weight_decay))
-    plain = plain and type(decoupled) is bool and type(maximize) is bool
+    if hyper.keys() != _HYPER_KEYS:  # tensorlib's adam_update and the record must agree
+        raise TypeError(f"adam: hyper-parameters {sorted(hyper)}, expected {list(ADAM_HYPER)}")
+    values = tuple(hyper[k] for k in ADAM_HYPER)
+    plain = all(type(hyper[k]) in (int, float) for k in ADAM_NUMBERS)
+    plain = plain and all(type(hyper[k]) is bool for k in ADAM_FLAGS)
     amsgrad = bool(params) and params[0][4] is not None
     by_session: dict[Session, list[tuple[Any, ...]]] = {}
     for p in params:
@@ -72,7 +63,6 @@ def adam(
             adam_update(*p, **hyper)
         else:
             by_session.setdefault(sess, []).append(p)
-    values = (lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
     for sess, entries in by_session.items():
         for i in range(0, len(entries), _CHUNK):
             chunk = entries[i : i + _CHUNK]

@@ -22,12 +22,22 @@ from tensorlib.functional import (
 )
 from tensorlib.optim import adam_update
 
-from .._wire import BINARY_UFUNCS, LOSS_REDUCTIONS, OP_CODES, OPS, REDUCTIONS, UNARY_UFUNCS, Ref
+from .._wire import (
+    ADAM_FLAGS,
+    ADAM_HYPER,
+    ADAM_NUMBERS,
+    BINARY_UFUNCS,
+    LOSS_REDUCTIONS,
+    OP_CODES,
+    OPS,
+    REDUCTIONS,
+    UNARY_UFUNCS,
+    Ref,
+)
 
 __all__ = ["ADAM_WRITTEN", "Handler", "adam_writes", "handlers"]
 
 Handler = Callable[[Sequence[Any], Any], Any]
-_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Handler | None]:
@@ -174,6 +184,15 @@ def _add_at(xp: Any, a: Any, index: Any, values: Any) -> None:
         cupyx.scatter_add(a, index, values)
 
 
+# An ADAM record's values: the hyper-parameters, then IDS of the data, grads, two moments and
+# amsgrad maxima, then the steps (``_records``).
+_H = len(ADAM_HYPER)
+_ADAM_VALUES = _H + 6
+# Which of them it writes in place: the data, the two moments, and the amsgrad maxima
+# (tuples, one array a parameter); the grads (value _H + 1) it only reads.
+ADAM_WRITTEN = (_H, _H + 2, _H + 3, _H + 4)
+
+
 def _adam(array_type: type) -> Handler:
     """ADAM: ``tensorlib.optim.adam_update`` on each parameter, as a local step runs it (the
     same function on the same NumPy, so the same bits). Every value is checked first (types,
@@ -182,13 +201,14 @@ def _adam(array_type: type) -> Handler:
     answering the READ that follows it (``Worker``)."""
 
     def run(a: Sequence[Any], out: Any) -> Callable[[], None]:
-        if len(a) != 13:
-            raise TypeError(f"adam: 13 arguments expected, got {len(a)}")
-        hyper, (decoupled, maximize), arrays, steps = a[:5], a[5:7], a[7:12], a[12]
-        for name, v in zip(_ADAM_HYPER, hyper, strict=True):
-            if type(v) not in (int, float):
-                raise TypeError(f"adam: {name} must be a number, got {type(v).__name__}")
-        if type(decoupled) is not bool or type(maximize) is not bool:
+        if len(a) != _ADAM_VALUES:
+            raise TypeError(f"adam: {_ADAM_VALUES} arguments expected, got {len(a)}")
+        hyper = dict(zip(ADAM_HYPER, a[:_H], strict=True))
+        arrays, steps = a[_H : _H + 5], a[_H + 5]
+        for name in ADAM_NUMBERS:
+            if type(hyper[name]) not in (int, float):
+                raise TypeError(f"adam: {name} must be a number, got {type(hyper[name]).__name__}")
+        if any(type(hyper[name]) is not bool for name in ADAM_FLAGS):
             raise TypeError("adam: decoupled and maximize must be booleans")
         if type(steps) is not tuple or not all(type(t) is int and t >= 1 for t in steps):
             raise TypeError("adam: the steps must be a tuple of integers >= 1")
@@ -206,24 +226,16 @@ def _adam(array_type: type) -> Handler:
                     f"adam: parameter {i}'s data, grad and moments must be float arrays of "
                     f"one shape, got {[(x.shape, str(x.dtype)) for x in group]}"
                 )
-        lr, b1, b2, eps, wd = hyper
 
         def update() -> None:
             for i in range(n):
                 adam_update(
-                    data[i], grad[i], m[i], v[i], vmax[i] if vmax else None, steps[i], lr=lr,
-                    beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
-                    maximize=maximize,
-                )  # fmt: skip
+                    data[i], grad[i], m[i], v[i], vmax[i] if vmax else None, steps[i], **hyper
+                )
 
         return update
 
     return run
-
-
-# Which of an ADAM record's values it writes in place: the data, the two moments, and the
-# amsgrad maxima (tuples, one array a parameter); the grads (value 8) it only reads.
-ADAM_WRITTEN = (7, 9, 10, 11)
 
 
 def adam_writes(args: Sequence[Any]) -> list[int]:

@@ -4,6 +4,7 @@ records of these kinds never hurt the server."""
 
 from __future__ import annotations
 
+import inspect
 import socket
 import struct
 import sys
@@ -80,6 +81,15 @@ def test_numpy_scalar_hyperparameters_go_op_by_op_and_still_give_the_local_bits(
     for a, b in zip(want, got, strict=True):
         assert np.array_equal(a, b)
     assert records > 6 * 4  # ~13 records a parameter, not one ADAM record
+
+
+def test_the_adam_record_carries_adam_updates_keywords_in_one_order() -> None:
+    # Both ends build and read ADAM's values by these names: they are tensorlib's.
+    params = inspect.signature(optim.adam_update).parameters.values()
+    keywords = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert list(_wire.ADAM_HYPER) == keywords
+    with pytest.raises(TypeError, match="hyper-parameters"):
+        _fused.adam([], **_adam_args(), foreach=True)
 
 
 def _adam_args(**kw: Any) -> dict[str, Any]:
