@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from collectives import CollectiveError, CollectiveMismatchError
@@ -38,6 +39,8 @@ from ._client import session_of
 __all__ = ["RemoteEngine"]
 
 _COLLECTIVE = OP_CODES["collective"]
+# The collectives of KINDS that write a separate output (``req.out``), not their input.
+_SEPARATE_OUT = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 _keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _keys_lock = threading.Lock()
 
@@ -99,49 +102,31 @@ class RemoteEngine(NumpyEngine):
                 raise
             raise RemoteConnectionError(f"{self.info.where(req.op, req.seq)}: {dead}") from exc
 
-    def _remote(self, req: Any) -> bool:
-        return type(req.array) is RemoteArray
+    def handler(self, op: str) -> Callable[[Any], None]:
+        """The NumPy engine's ``_do_<op>`` for host arrays; for remote arrays, a collective
+        of ``KINDS`` runs on the server (:meth:`_on_server`, writing its output or, for the
+        ops without one, its input) and send/recv is refused."""
+        host = super().handler(op)
+        if op in KINDS:
+            separate_out = op in _SEPARATE_OUT
 
-    def _do_all_reduce(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_all_reduce(req)
-        return self._on_server(req, req.array)
+            def on_server(req: Any) -> None:
+                if type(req.array) is not RemoteArray:
+                    return host(req)
+                return self._on_server(req, req.out if separate_out else req.array)
 
-    def _do_broadcast(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_broadcast(req)
-        return self._on_server(req, req.array)
+            return on_server
+        if op in ("send", "recv"):
 
-    def _do_reduce(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_reduce(req)
-        return self._on_server(req, req.array)
+            def host_only(req: Any) -> None:
+                self._host_only(req)
+                host(req)
 
-    def _do_all_gather(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_all_gather(req)
-        return self._on_server(req, req.out)
-
-    def _do_reduce_scatter(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_reduce_scatter(req)
-        return self._on_server(req, req.out)
-
-    def _do_all_to_all(self, req: Any) -> None:
-        if not self._remote(req):
-            return super()._do_all_to_all(req)
-        return self._on_server(req, req.out)
-
-    def _do_send(self, req: Any) -> None:
-        self._host_only(req)
-        super()._do_send(req)
-
-    def _do_recv(self, req: Any) -> None:
-        self._host_only(req)
-        super()._do_recv(req)
+            return host_only
+        return host
 
     def _host_only(self, req: Any) -> None:
-        if self._remote(req):
+        if type(req.array) is RemoteArray:
             raise self.info.error(
                 CollectiveError,
                 req.op,
