@@ -1,8 +1,9 @@
 """remote's client: what runs in the user's process.
 
 Reaching a server and its device kind (``_client``), one session a device (``_session``:
-records, frames, reads), the array handle and its ops (``_array``, ``_namespace``: the
-device's ``xp``), shape and dtype inference (``_infer``), the fused ops tensorlib asks the
+records, frames, reads), the array handle and its arithmetic (``_array``), its movement
+and indexing (``_movement``: which results are views), the device's ``xp`` (``_namespace``),
+shape and dtype inference (``_infer``), the fused ops tensorlib asks the
 device kind for (``_fused``), and the threads backend's engine for remote arrays
 (``_engine``). It speaks to the server only through the protocol in ``remote._wire``.
 """
