@@ -1,4 +1,5 @@
-"""TLS for ``serve(tls=...)``: a self-signed certificate whose fingerprint is the identity.
+"""TLS, both ends: the server's certificate is self-signed and its fingerprint is its
+identity, which the client pins (``devices(..., fingerprint=)``) instead of checking a CA chain.
 
 The certificate is made with ``cryptography`` (the ``remote`` extra); a certificate and key of
 one's own (PEM files, e.g. from ``openssl req -x509``) work without it.
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
 import os
+import socket
 import ssl
 import tempfile
 
-from ._errors import RemoteError
+from ._errors import RemoteAuthError, RemoteError
 
-__all__ = ["fingerprint_of", "self_signed", "server_context"]
+__all__ = ["fingerprint_of", "pinned_client", "self_signed", "server_context"]
 
 
 def self_signed() -> tuple[bytes, bytes]:
@@ -56,7 +59,11 @@ def self_signed() -> tuple[bytes, bytes]:
 
 def fingerprint_of(cert_pem: bytes) -> str:
     """The SHA-256 fingerprint (lower-case hex) of a PEM certificate, as clients pin it."""
-    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert_pem.decode("ascii"))).hexdigest()
+    return _fingerprint(ssl.PEM_cert_to_DER_cert(cert_pem.decode("ascii")))
+
+
+def _fingerprint(der: bytes) -> str:
+    return hashlib.sha256(der).hexdigest()
 
 
 def server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
@@ -72,3 +79,26 @@ def server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
                 f.write(data)
         ctx.load_cert_chain(cert_path, key_path)
     return ctx
+
+
+def pinned_client(sock: socket.socket, host: str, fingerprint: str, where: str) -> socket.socket:
+    """``sock`` wrapped in TLS to the server ``where``, whose certificate must have
+    ``fingerprint`` (colons and case ignored).
+
+    Raises:
+        RemoteAuthError: it presented another certificate.
+    """
+    # The certificate is self-signed: its identity is the fingerprint we pin, not a CA chain.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    tls = ctx.wrap_socket(sock, server_hostname=host)
+    got = _fingerprint(tls.getpeercert(binary_form=True) or b"")
+    if not hmac.compare_digest(got, fingerprint.replace(":", "").strip().lower()):
+        tls.close()
+        raise RemoteAuthError(
+            f"remote server {where} presented a TLS certificate with fingerprint {got}, "
+            f"not the pinned {fingerprint}: refusing it"
+        )
+    return tls

@@ -3,12 +3,10 @@ that makes ``tl.device("remote://HOST:PORT/INDEX")`` work, and ``stats``."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 import secrets
 import socket
-import ssl
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,6 +33,7 @@ from .._handshake import (
     server_proof,
     session_seal,
 )
+from .._tls import pinned_client
 from .._wire import MAX_HELLO_FRAME, PROTOCOL_VERSION, ProtocolError
 from . import _fused
 from ._array import RemoteArray
@@ -79,10 +78,6 @@ def _split(address: str) -> tuple[str, int]:
     return m.group(1).lower(), int(m.group(2))
 
 
-def _norm_fingerprint(fp: str) -> str:
-    return fp.replace(":", "").strip().lower()
-
-
 def dial(info: ServerInfo, device: int) -> Framed:
     """Connect to ``info``'s server and complete the handshake for ``device`` (or CONTROL).
 
@@ -99,7 +94,7 @@ def dial(info: ServerInfo, device: int) -> Framed:
     try:
         tune(sock)
         if info.fingerprint is not None:
-            sock = _tls(sock, info)
+            sock = pinned_client(sock, info.host, info.fingerprint, info.where)
         framed = Framed(sock)
         _handshake(framed, info, device)
         sock.settimeout(None)
@@ -113,25 +108,6 @@ def dial(info: ServerInfo, device: int) -> Framed:
             f"remote server {info.where} broke off the handshake ({type(exc).__name__}: {exc})"
             + ("; does it use --tls? then pass fingerprint=" if info.fingerprint is None else "")
         ) from exc
-
-
-def _tls(sock: socket.socket, info: ServerInfo) -> socket.socket:
-    # The certificate is self-signed: its identity is the fingerprint we pin, not a CA chain.
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    tls = ctx.wrap_socket(sock, server_hostname=info.host)
-    der = tls.getpeercert(binary_form=True) or b""
-    got = hashlib.sha256(der).hexdigest()
-    assert info.fingerprint is not None
-    if not hmac.compare_digest(got, _norm_fingerprint(info.fingerprint)):
-        tls.close()
-        raise RemoteAuthError(
-            f"remote server {info.where} presented a TLS certificate with fingerprint {got}, "
-            f"not the pinned {info.fingerprint}: refusing it"
-        )
-    return tls
 
 
 def _handshake(framed: Framed, info: ServerInfo, device: int) -> None:
