@@ -9,8 +9,10 @@ threads of ``spawn(..., backend="threads", devices=remote.devices(...))`` run DD
 devices of one server, reducing on it (``client._engine``). See docs/remote.md.
 
 Layout: ``client/`` (what runs in the user's process) and ``server/`` (what ``serve`` runs)
-never import each other; both build on the protocol here (``_wire``: the format and the one
-codec; ``_conn``: frames on a socket; ``_tls``; ``_errors``).
+never import each other; both build on the protocol here, whose codec is the only code that
+writes or reads the format: ``_wire`` (frames, the op table, values), ``_handshake`` (a
+connection's first frames), ``_records`` (a session's records and replies); and ``_conn``
+(frames on a socket), ``_tls`` (both ends' TLS), ``_errors``.
 """
 
 from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError, RemoteOpError
