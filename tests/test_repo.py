@@ -25,6 +25,8 @@ def test_ci_runs_the_readme_test_command_first_in_a_fresh_environment() -> None:
     command = _readme_command("pytest")
     assert command in ci, f".ci/run does not run the README's test command:\n{command}"
     at = ci.index(command)
+    # set -e ignores a failure before the last command of an && list: the status is checked.
+    assert 'status=$?; if [ "$status" -ne 0 ]' in ci[at + 1], ".ci/run must check the status"
     assert "rm -rf .venv" in ci[:at], ".ci/run must remove any old .venv before the README command"
     before = [ln for ln in ci[:at] if "pip install" in ln]
     assert not before, f".ci/run installs something before the README's test command: {before}"
@@ -49,6 +51,7 @@ def test_ci_runs_the_readme_main_job_in_a_fresh_clone() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     job = _readme_command("examples/")
     assert job in ci, f".ci/run does not run the README's main-job command:\n{job}"
+    assert 'status=$?; if [ "$status" -ne 0 ]' in ci[ci.index(job) + 1], "check the job's status"
     before = ci[: ci.index(job)]
     assert any("git clone" in ln for ln in before), "the main job should run in a fresh clone"
 

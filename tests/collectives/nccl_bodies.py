@@ -288,4 +288,9 @@ def ddp_steps(steps: int, skip_on: int = -1) -> dict[str, Any]:
     finally:
         del b.block
     params = [p.data.get().ravel().tolist() for p in model.parameters()]
-    return {"per_step": per_step, "params": params, "error": error, "buckets": len(model.bucket_sizes())}
+    return {
+        "per_step": per_step,
+        "params": params,
+        "error": error,
+        "buckets": len(model.bucket_sizes()),
+    }
