@@ -6,16 +6,9 @@ the per-op enqueue, ``_sigring.py`` the signature check, ``_watch.py`` the watch
 ``_cuda.py`` the CUDA seam, ``_lib.py`` the ctypes binding and ``_load.py`` loading it.
 """
 
-from ._backend import (
-    Nccl,
-    NcclBackend,
-    NcclError,
-    NcclUnavailableError,
-    binding,
-    load_library,
-    version_code,
-    version_tuple,
-)
+from . import _lib as binding  # the binding's constants, for tools
+from ._backend import NcclBackend, load_library
+from ._lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
 
 __all__ = [
     "Nccl",

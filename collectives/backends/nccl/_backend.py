@@ -62,11 +62,10 @@ from ..._exit import on_uncaught
 from ..._registry import register_backend
 from ..._setup_wait import register_last_words
 from ..._work import Work
-from . import _lib as binding  # public face: the binding's constants, for tools
 from . import _lib as nccl_lib
 from . import _load
 from ._cuda import D2H, Cuda, device_count
-from ._lib import Nccl, NcclError, NcclUnavailableError, version_code, version_tuple
+from ._lib import Nccl, NcclError
 from ._ops import NcclOps, error_from
 from ._peers import UNCAUGHT, PeerBoard, last_words
 from ._setup import NcclSetup
@@ -74,16 +73,7 @@ from ._sigring import SignatureRing
 from ._watch import NcclWatchdog
 from ._work import NcclWork
 
-__all__ = [
-    "Nccl",
-    "NcclBackend",
-    "NcclError",
-    "NcclUnavailableError",
-    "binding",
-    "load_library",
-    "version_code",
-    "version_tuple",
-]
+__all__ = ["NcclBackend", "load_library"]
 
 _CLOSE_LIMIT = 30.0  # at most this long to flush a communicator on destroy
 

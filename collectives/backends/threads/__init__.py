@@ -6,18 +6,19 @@ registers its own through :func:`register_engine`), ``_meet.py`` the in-memory m
 engines, ``_store.py`` the in-process store.
 """
 
-from ._backend import (
+from .._reduce import reduce_in_order
+from . import _backend  # noqa: F401  (registers the backend)
+from ._engines import (
     EngineSpec,
-    Meeting,
-    NumpyEngine,
     ThreadEngine,
     ThreadJob,
     device_kind,
     engine_kinds,
-    reduce_in_order,
     register_engine,
     unregister_engine,
 )
+from ._meet import Meeting
+from ._numpy import NumpyEngine
 
 __all__ = [
     "EngineSpec",

@@ -29,33 +29,8 @@ its signature check, timeouts and failure rules.
 from __future__ import annotations
 
 from ..._registry import register_backend
-from .._reduce import reduce_in_order
 from . import _nccl, _numpy  # noqa: F401  (importing registers the engines)
-from ._engines import (
-    EngineSpec,
-    ThreadEngine,
-    ThreadJob,
-    device_kind,
-    engine_kinds,
-    make_backend,
-    register_engine,
-    unregister_engine,
-)
-from ._meet import Meeting
-from ._numpy import NumpyEngine
-
-__all__ = [
-    "EngineSpec",
-    "Meeting",
-    "NumpyEngine",
-    "ThreadEngine",
-    "ThreadJob",
-    "device_kind",
-    "engine_kinds",
-    "reduce_in_order",
-    "register_engine",
-    "unregister_engine",
-]
+from ._engines import make_backend
 
 register_backend(
     "threads",
