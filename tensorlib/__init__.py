@@ -55,11 +55,15 @@ from ._creation import (
 from ._device import (
     CudaUnavailableError,
     Device,
+    DeviceList,
+    DeviceType,
+    cpu_device_count,
     cuda_device_count,
     cuda_is_available,
     cuda_unavailable_reason,
     device,
     device_of,
+    set_cpu_device_count,
 )
 from ._device_kinds import DeviceKind
 from ._device_kinds import register as register_device_kind
@@ -74,6 +78,8 @@ __all__ = [
     "CudaUnavailableError",
     "Device",
     "DeviceKind",
+    "DeviceList",
+    "DeviceType",
     "Function",
     "Generator",
     "Tensor",
@@ -86,6 +92,7 @@ __all__ = [
     "broadcast_to",
     "clip",
     "concatenate",
+    "cpu_device_count",
     "cuda_device_count",
     "cuda_is_available",
     "cuda_unavailable_reason",
@@ -127,6 +134,7 @@ __all__ = [
     "register_device_kind",
     "reshape",
     "save",
+    "set_cpu_device_count",
     "set_grad_enabled",
     "set_thread_generator",
     "sqrt",

@@ -157,7 +157,9 @@ class Function:
             raise _forward_error(cls, exc, raw) from exc
         if isinstance(out, np.generic):  # NumPy returns scalars from 0-d ufuncs and reductions
             out = np.asarray(out)
-        if dev is None or cls.moves_device:
+        if cls.moves_device:
+            dev = kwargs["device"]
+        elif dev is None:
             dev = device_of(out)
         # The output is built inline, here and in binary_operator's shorter path, not by a
         # shared helper: one more call is ~5% of an op on tiny tensors (benchmarks.mlp_step).

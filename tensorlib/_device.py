@@ -1,5 +1,12 @@
 """Devices: ``"cpu"`` runs on NumPy, ``"cuda:N"`` on CuPy on GPU N.
 
+Logical CPU devices ``"cpu:1"``, ``"cpu:2"``, ... are distinct devices on host memory (as JAX's
+host platform device count): tensors on two of them cannot be mixed in one op, and ``.to``
+between them copies. ``"cpu:0"`` is ``"cpu"``. :meth:`Device.enumerate` lists the devices of a
+type (``"cpu"``: as many as :func:`set_cpu_device_count` or ``TENSORLIB_CPU_DEVICES`` ask for,
+default 1; ``"cuda"``: every visible GPU; an object with a ``devices()`` method, such as
+``remote.RemoteHost``: its devices), so code written for several GPUs runs on a laptop.
+
 CuPy is optional and imported lazily, the first time a CUDA device is asked for. When it cannot
 be used, the original reason is kept and every later request raises one clear
 :class:`CudaUnavailableError` that says what is missing and how to install it.
@@ -7,6 +14,7 @@ be used, the original reason is kept and every later request raises one clear
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from types import ModuleType
@@ -19,13 +27,20 @@ from . import _device_kinds
 __all__ = [
     "CudaUnavailableError",
     "Device",
+    "DeviceList",
+    "DeviceType",
+    "cpu_device_count",
     "cuda_device_count",
     "cuda_is_available",
     "cuda_unavailable_reason",
     "device",
     "device_of",
     "is_device_spec",
+    "set_cpu_device_count",
 ]
+
+CPU_DEVICES_ENV = "TENSORLIB_CPU_DEVICES"
+_cpu_count: int | None = None  # set_cpu_device_count's value; None: the environment's
 
 _INSTALL_HINT = (
     "Install the GPU extra that matches your driver: `pip install .[cuda12]` (CUDA 12) or "
@@ -112,13 +127,15 @@ class Device:
     """A place where arrays live, with the array module that computes on it.
 
     ``Device("cpu")`` uses NumPy; ``Device("cuda")`` / ``Device("cuda:N")`` use CuPy on GPU N.
+    ``Device("cpu:N")`` is the N-th logical CPU device (NumPy too; ``"cpu:0"`` is ``"cpu"``).
     ``Device("scheme://...")`` names a device of a kind another package registered
     (``remote://HOST:PORT/INDEX`` once ``remote.devices`` reached that server).
     Devices are interned: equal specs give the same object, so ``is`` comparisons are valid.
 
     Attributes:
         type: ``"cpu"``, ``"cuda"``, or a registered kind's type (``"remote"``).
-        index: GPU ordinal for CUDA devices (the kind's index for others), None for the CPU.
+        index: GPU ordinal for CUDA devices, N for ``cpu:N`` (None for ``cpu``, which is
+            ``cpu:0``), the kind's index for others.
     """
 
     __slots__ = ("_name", "index", "type")
@@ -139,8 +156,13 @@ class Device:
         name = spec.strip().lower()
         if "://" in name:
             return cls._of_kind(spec, name)
-        if name == "cpu":
+        if name == "cpu" or name == "cpu:0":
             kind, index = "cpu", None
+        elif name.startswith("cpu:"):
+            tail = name[4:]
+            if not tail.isdigit():
+                raise ValueError(f"invalid CPU device {spec!r}: expected 'cpu' or 'cpu:N'")
+            kind, index = "cpu", int(tail)
         elif name == "cuda" or name.startswith("cuda:"):
             kind = "cuda"
             tail = name[5:] if name.startswith("cuda:") else ""
@@ -151,8 +173,10 @@ class Device:
             else:
                 raise ValueError(f"invalid CUDA device {spec!r}: expected 'cuda' or 'cuda:N'")
         else:
-            raise ValueError(f"unknown device {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
-        canonical = "cpu" if kind == "cpu" else f"cuda:{index}"
+            raise ValueError(
+                f"unknown device {spec!r}: expected 'cpu', 'cpu:N', 'cuda' or 'cuda:N'"
+            )
+        canonical = f"{kind}:{index}" if index is not None else "cpu"
         if kind == "cuda" and canonical not in cls._cache:  # the first use checks the GPU exists
             cp = _load_cupy()
             count = int(cp.cuda.runtime.getDeviceCount())
@@ -188,6 +212,38 @@ class Device:
             )
         canonical, index = kind.parse(name)
         return cls._intern(spec, canonical, kind.type, index)
+
+    @staticmethod
+    def enumerate(device_type: DeviceType | str | Any = "cpu") -> DeviceList:
+        """Every device of ``device_type`` (Burn's ``Device::enumerate(DeviceType::...)``).
+
+        Args:
+            device_type: ``"cpu"`` (the logical CPU devices: :func:`cpu_device_count` of them,
+                ``cpu``, ``cpu:1``, ...), ``"cuda"`` (every visible GPU, none without CUDA), a
+                :class:`DeviceType`, or a host object with a ``devices()`` method (such as
+                ``remote.RemoteHost``), whose devices are returned.
+
+        Raises:
+            ValueError: for a type that is none of these.
+        """
+        if isinstance(device_type, str):  # DeviceType is a str enum: its value is the type
+            kind = str(device_type.value if isinstance(device_type, DeviceType) else device_type)
+            if kind == "cpu":
+                n = cpu_device_count()
+                return DeviceList(Device(f"cpu:{i}") for i in range(n))
+            if kind == "cuda":
+                return DeviceList(Device(f"cuda:{i}") for i in range(cuda_device_count()))
+            raise ValueError(
+                f"Device.enumerate: unknown device type {device_type!r}; expected 'cpu', "
+                "'cuda', a DeviceType, or a host with a devices() method (remote.RemoteHost)"
+            )
+        listing = getattr(device_type, "devices", None)
+        if not callable(listing):
+            raise ValueError(
+                f"Device.enumerate: {device_type!r} is not a device type; expected 'cpu', "
+                "'cuda', a DeviceType, or a host with a devices() method (remote.RemoteHost)"
+            )
+        return DeviceList(Device(d) for d in listing())
 
     @property
     def xp(self) -> Any:
@@ -255,6 +311,58 @@ _ctx_stack = _CtxStack()
 CPU = Device("cpu")
 
 
+class DeviceType(enum.StrEnum):
+    """The device types :meth:`Device.enumerate` lists (Burn's ``DeviceType``; ``Cpu`` and
+    ``Cuda`` are Burn's spellings of the same members). Remote hosts are passed as they are:
+    ``Device.enumerate(remote.RemoteHost("host:port"))``, or ``DeviceType.Remote(host)``."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    Cpu = "cpu"
+    Cuda = "cuda"
+
+    @staticmethod
+    def Remote(host: Any) -> Any:
+        """``host`` itself: what :meth:`Device.enumerate` lists the devices of."""
+        return host
+
+
+class DeviceList(list[Device]):
+    """A list of devices; ``into_vec()`` (Burn's spelling) gives a plain list."""
+
+    def into_vec(self) -> list[Device]:
+        """The devices as a plain list."""
+        return list(self)
+
+
+def cpu_device_count() -> int:
+    """How many logical CPU devices :meth:`Device.enumerate` lists: the value of
+    :func:`set_cpu_device_count`, else ``TENSORLIB_CPU_DEVICES`` (default 1).
+
+    Raises:
+        ValueError: ``TENSORLIB_CPU_DEVICES`` is not a positive integer.
+    """
+    if _cpu_count is not None:
+        return _cpu_count
+    raw = os.environ.get(CPU_DEVICES_ENV, "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{CPU_DEVICES_ENV}={raw!r}: expected a positive integer (default 1)")
+    return int(raw)
+
+
+def set_cpu_device_count(count: int | None) -> None:
+    """Make :meth:`Device.enumerate` ``("cpu")`` list ``count`` logical CPU devices (None: back
+    to ``TENSORLIB_CPU_DEVICES``). ``Device("cpu:N")`` works whatever the count.
+
+    Raises:
+        ValueError: ``count`` is not a positive integer.
+    """
+    global _cpu_count
+    if count is not None and (type(count) is not int or count < 1):
+        raise ValueError(f"set_cpu_device_count: expected a positive integer, got {count!r}")
+    _cpu_count = count
+
+
 def device(spec: str | Device | None = None) -> Device:
     """Return the :class:`Device` for ``spec`` (``None`` means the CPU)."""
     if spec is None:
@@ -281,4 +389,6 @@ def is_device_spec(value: Any) -> bool:
     as opposed to a dtype given where a device may be (``t.to("float64")``)."""
     if isinstance(value, Device):
         return True
-    return isinstance(value, str) and (value == "cpu" or value.startswith("cuda") or "://" in value)
+    return isinstance(value, str) and (
+        value == "cpu" or value.startswith(("cpu:", "cuda")) or "://" in value
+    )

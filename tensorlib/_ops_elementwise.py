@@ -398,20 +398,20 @@ class ToDevice(Function):
     __slots__ = ("src",)
     moves_device = True
 
-    def forward(self, a: Any, device: Device | None = None) -> Any:
-        from ._device import device_of
-
-        self.src = device_of(a)
-        assert device is not None
+    def forward(self, a: Any, device: Device | None = None, src: Device | None = None) -> Any:
+        self.src = src
+        assert device is not None and src is not None
         return _move(a, device)
 
     def backward(self, g: Any) -> Any:
+        assert self.src is not None
         return _move(g, self.src)
 
 
 def _move(a: Any, dev: Device) -> Any:
     if dev.type == "cpu":
-        return a.get() if not isinstance(a, np.ndarray) else a
+        # Between logical CPU devices (cpu -> cpu:1) a copy: distinct devices share no memory.
+        return a.get() if not isinstance(a, np.ndarray) else a.copy()
     if dev.type != "cuda":  # a registered kind (remote): through the host
         host = a if isinstance(a, np.ndarray) else a.get()
         return _device_kinds.kind_of_device(dev).from_host(host, dev)

@@ -120,8 +120,12 @@ class Tensor(TensorOps):
     @data.setter
     def data(self, value: Any) -> None:
         if isinstance(value, Tensor):
+            dev = value._device
             value = value._data
-        dev = device_of(value)
+        else:
+            dev = device_of(value)
+            if dev is CPU and self._device.type == "cpu":
+                dev = self._device  # a NumPy array stays on this logical CPU device (cpu:1)
         _check_array_dtype(value)
         self._data = value
         self._device = dev
@@ -200,7 +204,7 @@ class Tensor(TensorOps):
     # ------------------------------------------------------------------ conversion
     def numpy(self) -> np.ndarray[Any, Any]:
         """Return the data as a NumPy array (shares memory on the CPU; copies from a GPU)."""
-        if self._device is CPU:
+        if self._device.type == "cpu":  # cpu and the logical cpu:N
             return self._data
         return self._data.get()
 
@@ -245,7 +249,7 @@ class Tensor(TensorOps):
             if is_device_spec(target):
                 dev = Device(target)
                 if dev is not self._device:
-                    out = _ew.ToDevice.apply(out, device=dev)
+                    out = _ew.ToDevice.apply(out, device=dev, src=self._device)
             else:
                 dtype = target
         if dtype is not None:

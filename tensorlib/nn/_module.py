@@ -189,7 +189,7 @@ class Module:
             dt = dtype if dtype is not None and is_floating(t.dtype) else None
             if device is None and dt is None:
                 continue
-            t.data = t.detach().to(device, dtype=dt)._data
+            t.data = t.detach().to(device, dtype=dt)  # a Tensor: its device comes along
             if t._grad is not None:
                 t._grad = t._grad.detach().to(device, dtype=dt)
         return self
