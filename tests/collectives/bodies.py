@@ -606,7 +606,7 @@ def async_overlap(seed: int, size: int) -> dict[str, Any]:
         while not work.is_completed():
             assert time.monotonic() < deadline, "async all_reduce never completed"
             time.sleep(0.001)
-        assert work.exception() is None
+        assert work.exception() is None, f"async all_reduce failed: {work.exception()!r}"
         assert work.wait() is x
     finally:
         del backend.run
