@@ -73,7 +73,13 @@ class GroupAbortedError(CollectiveError):
 ErrorT = TypeVar("ErrorT", bound=CollectiveError)
 
 
-def where(rank: int, op: str = "", seq: int | None = None, group: str | None = None) -> str:
+def where(
+    rank: int,
+    op: str = "",
+    seq: int | None = None,
+    group: str | None = None,
+    who: str | None = None,
+) -> str:
     """The head of every collective message: ``[rank 3] all_reduce #7 (group 'world' ...)``.
 
     Args:
@@ -81,8 +87,10 @@ def where(rank: int, op: str = "", seq: int | None = None, group: str | None = N
         op: the op (empty: the message is about the rank or group, not one call).
         seq: the op's sequence number in its group (None: not numbered, e.g. ``init``).
         group: the group's description (:meth:`GroupInfo.describe`), or None to leave it out.
+        who: who reports, where it is not a rank: a device-list context names the device
+            (``[cpu:1] all_reduce #7 (DistributedContext of cpu, cpu:1)``).
     """
-    head = f"[rank {rank}]"
+    head = f"[rank {rank}]" if who is None else f"[{who}]"
     if op:
         head += f" {op}" if seq is None else f" {op} #{seq}"
     return head if group is None else f"{head} ({group})"
@@ -97,16 +105,17 @@ def collective_error(
     seq: int | None = None,
     group: str | None = None,
     cause: BaseException | None = None,
+    who: str | None = None,
 ) -> ErrorT:
     """``cls("<where>: <detail>")`` with its ``rank``, ``op`` and ``seq`` fields set.
 
     Args:
         cls: the error class.
         detail: what happened (and, where it helps, what to do).
-        rank, op, seq, group: see :func:`where`.
+        rank, op, seq, group, who: see :func:`where`.
         cause: becomes the error's ``__cause__`` (as ``raise ... from cause`` would).
     """
-    head = where(rank, op, seq, group)
+    head = where(rank, op, seq, group, who)
     # "[rank 3] all_reduce #7: detail", but "[rank 3] detail" when it is about no call.
     sep = ": " if op or group else " "
     err = cls(head + sep + detail, rank=rank, op=op or None, seq=seq)

@@ -105,7 +105,7 @@ def from_numpy(array: np.ndarray[Any, Any]) -> Tensor:
     return Tensor._wrap(array, CPU)
 
 
-def from_array(array: Any) -> Tensor:
+def from_array(array: Any, device: str | Device | None = None) -> Tensor:
     """Wrap a NumPy or CuPy array without copying (they share memory), on its own device.
 
     Like ``torch.as_tensor`` on an array of the right kind: no copy, no dtype conversion, so
@@ -114,17 +114,29 @@ def from_array(array: Any) -> Tensor:
 
     Args:
         array: a ``numpy.ndarray``, NumPy scalar or ``cupy.ndarray`` of a supported dtype.
+        device: the device the tensor is on, when the array's own does not say it all: a
+            logical CPU device (``"cpu:1"``) for a NumPy array. None: the array's device.
 
     Returns:
         A tensor whose ``.data`` is ``array``.
 
     Raises:
         TypeError: when ``array`` is not a NumPy or CuPy array, or its dtype is unsupported.
+        ValueError: when ``device`` is not where ``array`` lives.
     """
     if not _is_array(array):
         raise TypeError(f"from_array expects a NumPy or CuPy array, got {type(array).__name__}")
     _check_array_dtype(array)
-    return Tensor._wrap(array, device_of(array))
+    own = device_of(array)
+    if device is None:
+        return Tensor._wrap(array, own)
+    dev = Device(device)
+    if dev is not own and not (dev.type == "cpu" and own is CPU):
+        raise ValueError(
+            f"from_array: the array lives on {own}, not on {dev}; wrap it without device= "
+            f"or copy it with tensorlib.tensor(array, device={str(dev)!r})"
+        )
+    return Tensor._wrap(array, dev)
 
 
 def from_dlpack(obj: Any) -> Tensor:

@@ -120,16 +120,33 @@ def test_the_layering_check_allows_what_the_stack_allows() -> None:
 
 # Rooms inside a package that may not import others (prefixes of module names). The process-group
 # core of collectives never imports its backends or the launcher (it finds backends through the
-# registry that collectives/__init__.py fills); backends never launch. remote's client and server
+# registry that collectives/__init__.py fills); backends never launch. The device-list context
+# (collectives.distributed) stands on the backends' pieces (the in-order reduction, the NCCL
+# binding) beside the process-group core, which never imports it. remote's client and server
 # stand on the protocol between them and never import each other.
 WINGS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     # (who, except these of its own, may not import)
     (
         "collectives",
-        ("collectives.backends", "collectives.launch", "collectives.run"),
-        ("collectives.backends", "collectives.launch", "collectives.run"),
+        (
+            "collectives.backends",
+            "collectives.distributed",
+            "collectives.launch",
+            "collectives.run",
+        ),
+        (
+            "collectives.backends",
+            "collectives.distributed",
+            "collectives.launch",
+            "collectives.run",
+        ),
     ),
-    ("collectives.backends", (), ("collectives.launch", "collectives.run")),
+    (
+        "collectives.backends",
+        (),
+        ("collectives.distributed", "collectives.launch", "collectives.run"),
+    ),
+    ("collectives.distributed", (), ("collectives.launch", "collectives.run")),
     # remote: the protocol at the top (_wire, _conn, _tls, _errors...) serves both sides, and
     # the client and the server never import each other.
     (
@@ -178,6 +195,8 @@ def test_rooms_inside_a_package_import_only_downward() -> None:
         ("collectives/_store/_x.py", "from ..backends import nccl"),
         ("collectives/backends/cpu/_x.py", "from ...launch._launcher import free_port"),
         ("collectives/backends/_x.py", "from collectives.run import main"),
+        ("collectives/_x.py", "from .distributed import DistributedContext"),
+        ("collectives/backends/nccl/_x.py", "from ...distributed._engines import Completion"),
     ],
 )
 def test_the_wing_check_catches_an_upward_import(where: str, line: str) -> None:
@@ -192,6 +211,7 @@ def test_the_wing_check_allows_downward_imports() -> None:
         ("collectives/__init__.py", "from .launch._spawn import spawn"),
         ("remote/client/_x.py", "from .. import _wire\nfrom .._conn import Connection"),
         ("remote/__init__.py", "from .client import devices\nfrom .server import serve"),
+        ("collectives/distributed/_x.py", "from ..backends._reduce import reduce_in_order"),
     ]
     for where, source in ok:
         assert wing_violations(ROOT / where, source + "\n") == [], (where, source)

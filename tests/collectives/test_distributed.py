@@ -1,0 +1,323 @@
+"""Burn's device-list collectives (collectives.distributed) on logical CPU devices: one thread
+submitting every device, one thread per device, and every way a call can go wrong."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorlib as tl
+from collectives import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from collectives import ReduceOp as PgOp
+from collectives.backends._reduce import reduce_in_order
+from collectives.distributed import (
+    CollectiveTensor,
+    DistributedConfig,
+    DistributedContext,
+    ReduceOperation,
+    all_reduce,
+    register_context_engine,
+    unregister_context_engine,
+)
+
+OPS = list(ReduceOperation)
+QUICK = DistributedConfig(timeout=5.0)
+
+
+@pytest.fixture(autouse=True)
+def four_cpu_devices() -> Iterator[None]:
+    tl.set_cpu_device_count(4)
+    yield
+    tl.set_cpu_device_count(None)
+
+
+def _devices(n: int) -> list[tl.Device]:
+    return list(tl.Device.enumerate("cpu"))[:n]
+
+
+def _local(devs: list[tl.Device], dtype: str, shape: tuple[int, ...] = (5, 3)) -> list[Any]:
+    rng = np.random.default_rng(len(devs))
+    arrays = [rng.uniform(0.5, 2.0, shape).astype(dtype) for _ in devs]
+    if np.dtype(dtype).kind == "i":
+        arrays = [rng.integers(-9, 9, shape).astype(dtype) for _ in devs]
+    return [tl.tensor(a, device=d) for a, d in zip(arrays, devs, strict=True)]
+
+
+def _expected(tensors: list[tl.Tensor], op: ReduceOperation) -> np.ndarray:
+    arrays = [t.numpy() for t in tensors]
+    out = np.empty_like(arrays[0])
+    reduce_in_order(out, arrays, op.op, len(arrays))
+    return out
+
+
+def _run_threads(fns: list[Callable[[], Any]], limit: float = 20.0) -> list[Any]:
+    """Run each fn in its own thread; a thread still running after ``limit`` s fails the test."""
+    results: list[Any] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # reported to the test below
+            results[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit)
+    assert not any(t.is_alive() for t in threads), "a device thread hung"
+    return results
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("op", OPS, ids=str)
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_one_thread_submits_every_device_then_resolves(
+    n: int, op: ReduceOperation, dtype: str
+) -> None:
+    """The page's code: every device's tensor reduced, the same bits on each device as the
+    in-order reduction of the cpu backend, each result on its input's device, inputs intact."""
+    devs = _devices(n)
+    local = _local(devs, dtype)
+    before = [t.numpy().copy() for t in local]
+    with DistributedContext(devs, DistributedConfig(all_reduce_op=ReduceOperation.Mean)):
+        pending = [all_reduce(t, op, devs) for t in local]
+        reduced = [p.resolve() for p in pending]
+    want = _expected(local, op)
+    for d, r in zip(devs, reduced, strict=True):
+        assert r.device == d
+        assert r.dtype == local[0].dtype
+        assert np.array_equal(r.numpy(), want), (d, op)
+    for t, b in zip(local, before, strict=True):
+        assert np.array_equal(t.numpy(), b), "all_reduce wrote its input"
+    if n > 1:  # each device owns its result: writing one leaves the others alone
+        reduced[0].data[...] = 0
+        assert np.array_equal(reduced[1].numpy(), want)
+
+
+def test_the_config_op_is_the_default_and_many_calls_stay_in_order() -> None:
+    devs = _devices(3)
+    local = _local(devs, "float64")
+    with DistributedContext.init(devs, DistributedConfig(all_reduce_op=ReduceOperation.Sum)):
+        first = [all_reduce(t) for t in local]  # no op: the config's (Sum)
+        second = [all_reduce(t * 2.0, ReduceOperation.Max, devs) for t in local]
+        third = [all_reduce(t, "mean", list(reversed(devs))) for t in local]  # any order
+        assert [p.seq for p in first + second + third] == [0] * 3 + [1] * 3 + [2] * 3
+        got = [[p.resolve() for p in calls] for calls in (third, first, second)]
+    assert np.array_equal(got[1][2].numpy(), _expected(local, ReduceOperation.Sum))
+    doubled = [t * 2.0 for t in local]
+    assert np.array_equal(got[2][0].numpy(), _expected(doubled, ReduceOperation.Max))
+    assert np.array_equal(got[0][1].numpy(), _expected(local, ReduceOperation.Mean))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_one_thread_per_device_as_burns_ddp_runs(n: int) -> None:
+    """Each device's thread submits and resolves its own tensor, 20 calls in a row."""
+    devs = _devices(n)
+    local = _local(devs, "float64")
+
+    def worker(i: int) -> list[np.ndarray]:
+        out = []
+        for k in range(20):
+            p = all_reduce(local[i] + float(k), ReduceOperation.Sum, devs)
+            out.append(p.resolve().numpy())
+        return out
+
+    with DistributedContext(devs, QUICK):
+        results = _run_threads([functools.partial(worker, i) for i in range(n)])
+    for r in results:
+        assert not isinstance(r, BaseException), r
+    for k in range(20):
+        want = _expected([t + float(k) for t in local], ReduceOperation.Sum)
+        for r in results:
+            assert np.array_equal(r[k], want)
+
+
+def test_resolve_before_the_other_devices_submit_fails_at_once_naming_them() -> None:
+    devs = _devices(3)
+    local = _local(devs, "float32")
+    with DistributedContext(devs):
+        p = all_reduce(local[0], ReduceOperation.Sum, devs)
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            p.resolve()
+        assert time.monotonic() - t0 < 3.0
+        text = str(info.value)
+        assert "all_reduce #0" in text and "cpu:1, cpu:2" in text and "first" in text
+        assert info.value.op == "all_reduce" and info.value.seq == 0
+        with pytest.raises(CollectiveError, match="no result yet"):
+            p.assume_resolved()
+        # The call is still open: submitting the rest completes it.
+        rest = [all_reduce(t, ReduceOperation.Sum, devs) for t in local[1:]]
+        assert np.array_equal(p.resolve().numpy(), _expected(local, ReduceOperation.Sum))
+        assert all(q.is_resolved() for q in rest)
+        assert np.array_equal(rest[1].assume_resolved().numpy(), p.resolve().numpy())
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "op", "order"],
+)
+def test_mismatched_calls_raise_on_every_participant(change: str) -> None:
+    devs = _devices(3)
+    a = _local(devs, "float64")
+    b = _local(devs, "float64", shape=(2,))
+    with DistributedContext(devs, QUICK) as ctx:
+        if change == "order":  # cpu:2 makes its two calls the other way round
+            first = [all_reduce(a[0], devices=devs), all_reduce(a[1], devices=devs)]
+            second = [all_reduce(b[0], devices=devs), all_reduce(b[1], devices=devs)]
+            with pytest.raises(CollectiveMismatchError) as info:
+                all_reduce(b[2], devices=devs)
+            pending = first + second
+        else:
+            pending = [all_reduce(t, ReduceOperation.Sum, devs) for t in a[:2]]
+            odd = {
+                "shape": (b[2], ReduceOperation.Sum),
+                "dtype": (a[2].to(tl.float32), ReduceOperation.Sum),
+                "op": (a[2], ReduceOperation.Max),
+            }[change]
+            with pytest.raises(CollectiveMismatchError) as info:
+                all_reduce(*odd, devs)
+        assert "[cpu:2] all_reduce #0" in str(info.value) and "disagree" in str(info.value)
+        for p in pending[:2]:  # the devices that had submitted call #0 learn it too
+            with pytest.raises(CollectiveMismatchError, match=rf"\[{p.device}\] all_reduce #0"):
+                p.resolve()
+        with pytest.raises(CollectiveError, match="unusable after an earlier failure"):
+            all_reduce(a[0], devices=devs)
+        assert "broken" in repr(ctx)
+
+
+def test_leaving_the_context_ends_it() -> None:
+    devs = _devices(2)
+    local = _local(devs, "float64")
+    with DistributedContext(devs) as ctx:
+        done = [all_reduce(t, devices=devs) for t in local]
+        half = all_reduce(local[0], devices=devs)
+    assert ctx.closed and "closed" in repr(ctx)
+    assert np.array_equal(done[1].resolve().numpy(), _expected(local, ReduceOperation.Mean))
+    with pytest.raises(CollectiveError, match="context is closed"):
+        half.resolve()
+    with pytest.raises(CollectiveError, match="no open DistributedContext"):
+        all_reduce(local[0], ReduceOperation.Sum, devs)
+    ctx.close()  # idempotent
+    with DistributedContext(devs):  # the devices are free again
+        again = [all_reduce(t, devices=devs) for t in local]
+        assert again[0].seq == 0 and again[1].resolve().device == devs[1]
+
+
+def test_closing_fails_a_waiting_resolve_and_a_timeout_names_the_missing_device() -> None:
+    devs = _devices(2)
+    local = _local(devs, "float64")
+    ctx = DistributedContext(devs, DistributedConfig(timeout=0.5))
+
+    def waiter() -> Any:
+        return all_reduce(local[0], devices=devs).resolve(timeout=10)
+
+    def closer() -> None:
+        time.sleep(0.3)
+        ctx.close()
+
+    got = _run_threads([waiter, closer])
+    assert isinstance(got[0], CollectiveError) and "context is closed" in str(got[0])
+
+    with DistributedContext(devs, DistributedConfig(timeout=0.5)):
+        # Another thread submitted cpu:1's earlier call, so it may submit this one: wait.
+        _run_threads([lambda: all_reduce(local[1], devices=devs)])
+        first = all_reduce(local[0], devices=devs)
+        assert first.resolve().device == devs[0]
+        p = all_reduce(local[0], devices=devs)
+        with pytest.raises(CollectiveTimeoutError, match=r"0.5 s waiting for device cpu:1"):
+            p.resolve()
+
+
+def test_bad_device_lists_and_tensors_are_refused_clearly() -> None:
+    devs = _devices(2)
+    with pytest.raises(ValueError, match="cpu:1 is listed twice"):
+        DistributedContext([devs[0], devs[1], "cpu:1"])
+    with pytest.raises(ValueError, match="empty"):
+        DistributedContext([])
+    with pytest.raises(TypeError, match="list of devices"):
+        DistributedContext("cpu")
+    with pytest.raises(TypeError, match="DistributedConfig"):
+        DistributedContext(devs, {"all_reduce_op": "mean"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown reduce operation"):
+        DistributedConfig(all_reduce_op="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        DistributedConfig(timeout=0)
+    with DistributedContext(devs):
+        with pytest.raises(ValueError, match="already in an open context"):
+            DistributedContext([devs[1], "cpu:2"])
+        outside = tl.ones(3, device="cpu:3")
+        with pytest.raises(CollectiveError, match="no open DistributedContext has device cpu:3"):
+            all_reduce(outside)
+        with pytest.raises(CollectiveError, match="not one of the context's devices"):
+            all_reduce(outside, devices=devs)
+        with pytest.raises(TypeError, match="tensorlib Tensor"):
+            all_reduce(np.ones(3), devices=devs)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown reduce operation"):
+            all_reduce(tl.ones(3), "median", devs)
+
+
+class _Odd:
+    """A device kind whose engine has only Sum (as an engine without the others would)."""
+
+    type = "odd"
+
+
+def test_an_op_the_engine_lacks_and_a_failing_engine_are_clear_errors() -> None:
+    class SumOnly:
+        ops = frozenset({PgOp.SUM})
+
+        def __init__(self, devices: list[Any], config: DistributedConfig) -> None:
+            self.calls = 0
+
+        def all_reduce(self, arrays: list[Any], op: PgOp, seq: int) -> Any:
+            raise OSError("the link is down")
+
+        def close(self) -> None:
+            return None
+
+    from collectives.distributed import make_context_engine
+
+    register_context_engine("odd", SumOnly)
+    try:
+        engine = make_context_engine([_Odd()], DistributedConfig())
+        assert engine.ops == frozenset({PgOp.SUM})
+    finally:
+        unregister_context_engine("odd")
+    with pytest.raises(ValueError, match="no engine for devices of kind 'odd'"):
+        make_context_engine([_Odd()], DistributedConfig())
+    with pytest.raises(ValueError, match="of one kind"):
+        make_context_engine([_Odd(), tl.Device("cpu")], DistributedConfig())
+
+    # An engine that fails a launch fails the call for every device and breaks the context.
+    devs = _devices(2)
+    local = _local(devs, "float64")
+    with DistributedContext(devs) as ctx:
+        ctx._engine = SumOnly(devs, ctx.config)
+        with pytest.raises(CollectiveError, match="Max is not supported"):
+            all_reduce(local[0], ReduceOperation.Max, devs)
+        first = all_reduce(local[0], ReduceOperation.Sum, devs)
+        with pytest.raises(CollectiveError, match="the link is down"):
+            all_reduce(local[1], ReduceOperation.Sum, devs)
+        with pytest.raises(CollectiveError, match=r"\[cpu\] all_reduce #0.*link is down"):
+            first.resolve()
+        with pytest.raises(CollectiveError, match="unusable"):
+            all_reduce(local[0], ReduceOperation.Sum, devs)
+
+
+def test_collective_tensor_says_what_it_is() -> None:
+    devs = _devices(2)
+    with DistributedContext(devs):
+        p = all_reduce(tl.ones(2, device=devs[1]), devices=devs)
+        assert isinstance(p, CollectiveTensor) and p.device == devs[1]
+        assert repr(p) == "CollectiveTensor(all_reduce #0 on cpu:1, pending)"
+        all_reduce(tl.ones(2), devices=devs)
+        assert p.is_resolved() and "resolved" in repr(p)
+        assert p.resolve() is p.resolve()
