@@ -376,11 +376,86 @@ static PyTypeObject SyncType = {
     .tp_methods = Sync_methods,
 };
 
+/* The bytes of one item of each dtype row of REDUCERS (code / 4). */
+static const Py_ssize_t CODE_ITEMSIZE[8] = {4, 8, 1, 4, 8, 1, 4, 8};
+
+static void release_all(Py_buffer *bufs, int k) {
+    for (int q = 0; q < k; q++) PyBuffer_Release(&bufs[q]);
+}
+
+/* reduce_into(code, avg, out, sources) -> None
+ *
+ * ``out = sources[0] op sources[1] op ...`` in order (then ``/ n`` when ``avg``), elementwise,
+ * with the compiled loop of ``code`` (dtype * 4 + op, as _native_code), the GIL released.
+ * ``out`` (writable) and the 2..64 sources are C-contiguous buffers of the same size; ``out``
+ * may be the first or second source itself, never a later one (as NumPy's out= calls). */
+static PyObject *cshm_reduce_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "reduce_into() takes 4 arguments");
+        return NULL;
+    }
+    long code = PyLong_AsLong(args[0]);
+    int avg = PyObject_IsTrue(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (code < 0 || code >= 32 || REDUCERS[code] == NULL || (avg && code != 0 && code != 4)) {
+        PyErr_Format(PyExc_ValueError, "reduce_into(): no compiled reduction for code %ld", code);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[3], "reduce_into(): sources must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 2 || n > 64) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "reduce_into(): 2 to 64 sources, got %zd", n);
+        return NULL;
+    }
+    Py_buffer bufs[65];
+    if (PyObject_GetBuffer(args[2], &bufs[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int got = 1;
+    char *src[64];
+    for (Py_ssize_t q = 0; q < n; q++, got++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, q);
+        if (PyObject_GetBuffer(item, &bufs[got], PyBUF_C_CONTIGUOUS) < 0) break;
+        if (bufs[got].len != bufs[0].len) {
+            PyErr_Format(PyExc_ValueError, "reduce_into(): source %zd has %zd bytes, out %zd", q,
+                         bufs[got].len, bufs[0].len);
+            got++;
+            break;
+        }
+        src[q] = (char *)bufs[got].buf;
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        release_all(bufs, got);
+        return NULL;
+    }
+    size_t count = (size_t)(bufs[0].len / CODE_ITEMSIZE[code / 4]);
+    char *out = (char *)bufs[0].buf;
+    reducer fn = REDUCERS[code];
+    Py_BEGIN_ALLOW_THREADS
+    fn(out, src, (int)n, count);
+    if (avg) divide(out, code, count, (int)n);
+    Py_END_ALLOW_THREADS
+    release_all(bufs, got);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"reduce_into", (PyCFunction)(void (*)(void))cshm_reduce_into, METH_FASTCALL,
+     "reduce_into(code, avg, out, sources): out = sources reduced in order, compiled."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cshm",
     .m_doc = "The cpu backend's posts, waits and small all-reduce in C (see _cpu_sync.py).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__cshm(void) {

@@ -87,3 +87,7 @@ class Sync:
         block: int,
         /,
     ) -> None: ...
+
+def reduce_into(code: int, avg: bool, out: Any, sources: Any, /) -> None:
+    """``out = sources[0] op sources[1] op ...`` with the compiled loop of ``code`` (GIL
+    released); C-contiguous buffers of one size, 2 to 64 sources."""

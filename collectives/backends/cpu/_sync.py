@@ -34,6 +34,7 @@ from ..._errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFail
 from ..._proc import pid_alive
 from ..._signature import SIG_BYTES, Signature, mismatch_text, record_bytes
 from ..._types import ReduceOp
+from .._reduce import native_code
 from ._layout import (
     ABORT_CLOSED,
     ABORT_FAILED,
@@ -61,10 +62,6 @@ _STREAM_ENV = "DPT_CPU_STREAM"
 RC_DONE, RC_WAIT, RC_REDUCE = 0, 1, 2
 RC_WAIT2 = 5
 RC_BEGUN = 6  # begin_rounds(), begin_zero_copy(): posted and checked, Python goes on
-# The compiled reductions: dtype index * 4 + op index (the table in _cshm.c).
-_NATIVE_DTYPES = ["float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "uint64"]
-_NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2}
-_NATIVE_OPS[ReduceOp.MAX] = 3
 _AVG = ReduceOp.AVG  # an Enum member read from the class costs ~0.1 us, per call here
 _COMPARED = SIG_BYTES - 8  # a record's bytes that ranks must share (all but the magic word)
 _NO_LOCATION_BYTES = LOCATION.pack(*NO_LOCATION)
@@ -124,13 +121,7 @@ def _native_code(sig: Signature) -> int:
     """The compiled reduction for ``sig``'s dtype and op, or -1 (NumPy reduces)."""
     if sig.dtype is None or sig.reduce_op is None:
         return -1
-    dt = np.dtype(sig.dtype)
-    if not dt.isnative or dt.name not in _NATIVE_DTYPES:
-        return -1
-    k, o = _NATIVE_DTYPES.index(dt.name), _NATIVE_OPS[sig.reduce_op]
-    if k < 2 and o >= 2:
-        return -1  # float min/max: NumPy's NaN and signed-zero rules are its own
-    return 4 * k + o
+    return native_code(sig.dtype, sig.reduce_op)
 
 
 class Lockstep:
