@@ -131,10 +131,13 @@ class ThreadEngine(Backend):
         self.size = info.size
         self.meeting: Meeting = job.meeting(info)
 
-    def meet(self, req: Request, item: Any) -> list[Any]:
+    def meet(
+        self, req: Request, item: Any, finish: Callable[[list[Any]], None] | None = None
+    ) -> list[Any]:
         """Post ``item`` (e.g. this rank's array) for ``req``; every member's, in group-rank
-        order, once all posted the same call (else CollectiveMismatchError on every rank)."""
-        return self.meeting.begin(self.rank, req, item, self.info)
+        order, once all posted the same call (else CollectiveMismatchError on every rank).
+        The last member to post runs ``finish(items)`` first (see :meth:`Meeting.begin`)."""
+        return self.meeting.begin(self.rank, req, item, self.info, finish)
 
     def phase(self, req: Request) -> None:
         """Wait until every member reached this step of ``req``."""

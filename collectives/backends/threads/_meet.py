@@ -138,20 +138,40 @@ class Meeting:
         self._abort: _Abort | None = None
         self._left: set[int] = set()  # group ranks that destroyed the group
         self._mail: dict[tuple[int, int], deque[tuple[bytes, Any]]] = {}
-        self._snap: tuple[list[Any], list[bytes]] = ([], [])
+        self._snap: tuple[list[Any], list[bytes], BaseException | None] = ([], [], None)
 
     # ------------------------------------------------------------------ collectives
-    def begin(self, me: int, req: Request, item: Any, info: GroupInfo) -> list[Any]:
+    def begin(
+        self,
+        me: int,
+        req: Request,
+        item: Any,
+        info: GroupInfo,
+        finish: Callable[[list[Any]], None] | None = None,
+    ) -> list[Any]:
         """Post ``item`` with ``req``'s record, wait for every member, compare the records;
-        every member's item (group-rank order)."""
+        every member's item (group-rank order).
+
+        With ``finish``, the last member to arrive calls ``finish(items)`` before it releases
+        the others (only when the records agree): a small collective done by one thread in
+        one step costs one wake-up instead of a barrier per step. It must be short (it runs
+        under the meeting's lock); an error it raises fails the call on every member.
+        """
         sig = record_bytes(req.signature, req.seq)
         with self._cond:
             self._failed(info, req)
             self._items[me] = item
             self._sigs[me] = sig
             self._seq[me] = req.seq
-            self._barrier(me, req, info)
-            items, sigs = self._snap
+            self._barrier(me, req, info, finish)
+            items, sigs, failure = self._snap
+        if failure is not None:
+            raise info.error(
+                CollectiveError,
+                req.op,
+                req.seq,
+                f"the reduction failed: {type(failure).__name__}: {failure}",
+            ) from failure
         core = sig[:_COMPARED]
         if any(s[:_COMPARED] != core for s in sigs):
             records = np.frombuffer(b"".join(sigs), dtype=np.int64).reshape(self.size, -1)
@@ -170,15 +190,29 @@ class Meeting:
             self._failed(info, req)
             self._barrier(me, req, info)
 
-    def _barrier(self, me: int, req: Request, info: GroupInfo) -> None:
-        """(Lock held.) Enter the next barrier; return once every member entered it."""
+    def _barrier(
+        self,
+        me: int,
+        req: Request,
+        info: GroupInfo,
+        finish: Callable[[list[Any]], None] | None = None,
+    ) -> None:
+        """(Lock held.) Enter the next barrier; return once every member entered it (the last
+        to enter runs ``finish``, see :meth:`begin`)."""
         self._entered[me] += 1
         target = self._entered[me]
         self._count += 1
         if self._count == self.size:
             # What every member posted, as of this barrier: a fast member may post its next
             # call before a slow one woke up (the next barrier cannot complete before that).
-            self._snap = (list(self._items), list(self._sigs))
+            items, sigs = list(self._items), list(self._sigs)
+            failure: BaseException | None = None
+            if finish is not None and all(x[:_COMPARED] == sigs[0][:_COMPARED] for x in sigs):
+                try:
+                    finish(items)
+                except Exception as exc:  # every member raises it (begin)
+                    failure = exc
+            self._snap = (items, sigs, failure)
             self._count = 0
             self._gen += 1
             self._cond.notify_all()

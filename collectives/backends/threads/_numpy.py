@@ -8,6 +8,9 @@ reference to its array (and its signature), and gets every rank's. Then:
   the GIL: the slices are reduced in parallel, no Python loop over elements); a barrier, and
   every rank has the whole result. Every element is reduced once, in the same order as the
   cpu backend's, so results are bitwise identical on every rank and to the cpu backend.
+  Up to 256 KiB the last rank to arrive reduces the whole array for all in one step (the
+  ranks share one interpreter lock, so slices of a small array run one after the other
+  anyway, and the second barrier would cost a thread wake-up); broadcast likewise.
 * **reduce**: the same, into the root's array only (through a scratch slice, since the
   root's array is also an input).
 * **broadcast / all_gather / all_to_all / reduce_scatter**: each rank copies (or reduces)
@@ -21,6 +24,8 @@ through host memory by the group (use ``cuda`` devices for the NCCL engine inste
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..._backend import GroupInfo, Request
@@ -28,6 +33,12 @@ from .._reduce import reduce_in_order
 from ._engines import ThreadEngine, ThreadJob, register_engine
 
 __all__ = ["NumpyEngine"]
+
+# Up to this size one thread (the last to arrive) reduces the whole array for every rank: the
+# rank threads share one interpreter lock, so splitting a small reduction across them buys no
+# parallelism and costs a second barrier (a thread wake-up, tens of microseconds). Above it
+# NumPy releases the lock in its loops and the slices run on every core.
+_ONE_THREAD_BYTES = 256 * 1024
 
 
 class NumpyEngine(ThreadEngine):
@@ -43,12 +54,23 @@ class NumpyEngine(ThreadEngine):
     # ------------------------------------------------------------------ reductions
     def _do_all_reduce(self, req: Request) -> None:
         flat = req.array.reshape(-1)
+        op, n = req.reduce_op, self.size
+        assert op is not None  # the group sets it on every reducing request
+        if flat.nbytes <= _ONE_THREAD_BYTES:
+
+            def finish(flats: list[Any]) -> None:
+                first = flats[0]
+                reduce_in_order(first, flats, op, n)
+                for f in flats[1:]:
+                    f[...] = first
+
+            self.meet(req, flat, finish)
+            return
         flats = self.meet(req, flat)
         lo, hi = self._slice(flat.size)
         if hi > lo:
-            assert req.reduce_op is not None
             first = flats[0][lo:hi]
-            reduce_in_order(first, [f[lo:hi] for f in flats], req.reduce_op, self.size)
+            reduce_in_order(first, [f[lo:hi] for f in flats], op, n)
             for f in flats[1:]:
                 f[lo:hi] = first
         self.phase(req)
@@ -80,6 +102,16 @@ class NumpyEngine(ThreadEngine):
     # ------------------------------------------------------------------ data movement
     def _do_broadcast(self, req: Request) -> None:
         flat = req.array.reshape(-1)
+        if flat.nbytes <= _ONE_THREAD_BYTES:
+            root = req.root
+
+            def finish(flats: list[Any]) -> None:
+                for q, f in enumerate(flats):
+                    if q != root:
+                        f[...] = flats[root]
+
+            self.meet(req, flat, finish)
+            return
         src = self.meet(req, flat)[req.root]
         if self.rank != req.root and flat.size:
             flat[...] = src
