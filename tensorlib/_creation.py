@@ -124,6 +124,9 @@ def from_array(array: Any, device: str | Device | None = None) -> Tensor:
         TypeError: when ``array`` is not a NumPy or CuPy array, or its dtype is unsupported.
         ValueError: when ``device`` is not where ``array`` lives.
     """
+    if type(device) is Device and device.type == "cpu" and type(array) is np.ndarray:
+        _check_array_dtype(array)  # the per-call path: a host array onto a (logical) CPU device
+        return Tensor._wrap(array, device)
     if not _is_array(array):
         raise TypeError(f"from_array expects a NumPy or CuPy array, got {type(array).__name__}")
     _check_array_dtype(array)

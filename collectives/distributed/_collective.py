@@ -133,12 +133,15 @@ def all_reduce(
         CollectiveMismatchError: this call disagrees with another device's call of the same
             number (shape, dtype, op or order).
     """
-    if not isinstance(tensor, Tensor):
+    if type(tensor) is not Tensor and not isinstance(tensor, Tensor):
         raise TypeError(
             f"all_reduce: expected a tensorlib Tensor on one of the context's devices, got "
             f"{type(tensor).__name__}"
         )
-    context, index = context_of(devices, tensor.device, _OP)
-    reduction = context.default_op if op is None else reduce_op_of(op)
+    context, index = context_of(devices, tensor._device, _OP)
+    if type(op) is ReduceOperation:
+        reduction = op
+    else:
+        reduction = context.default_op if op is None else reduce_op_of(op)
     call = context.submit(index, tensor.data, reduction, _OP)
     return CollectiveTensor(context, call, index)

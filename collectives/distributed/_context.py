@@ -40,25 +40,36 @@ __all__ = ["DistributedContext", "context_of"]
 _GRACE_S = 1.0
 
 _OPEN_LOCK = threading.Lock()
-_OPEN: dict[Device, DistributedContext] = {}  # each device of an open context -> the context
+# id(device) of each device of an open context -> the context (devices are interned: one
+# object per name, so the id is the device; a dict keyed by it skips Device.__hash__).
+_OPEN: dict[int, DistributedContext] = {}
 
 
-def context_of(devices: Iterable[Any] | None, device: Device, op: str) -> tuple[Any, int]:
+def context_of(devices: Any, device: Device, op: str) -> tuple[DistributedContext, int]:
     """The open context of ``devices`` (any order) or, without them, of ``device``; and the
     index of ``device`` in it.
 
     Raises:
         CollectiveError: no open context has those devices, or ``device`` is not one of them.
     """
-    with _OPEN_LOCK:
-        ctx = _OPEN.get(device)
+    ctx = _OPEN.get(id(device))
+    # The per-call path: the context's own device list (or a copy of it, in its order).
+    if ctx is not None and (
+        devices is None or (isinstance(devices, list | tuple) and tuple(devices) == ctx._devices)
+    ):
+        return ctx, ctx._index[id(device)]
+    return _context_slow(devices, device, op, ctx)
+
+
+def _context_slow(
+    devices: Iterable[Any] | None, device: Device, op: str, ctx: DistributedContext | None
+) -> tuple[DistributedContext, int]:
     shown = str(device)
     if devices is not None:
         wanted = _normalize(devices, op)
         names = ", ".join(str(d) for d in wanted)
         if ctx is None or frozenset(wanted) != frozenset(ctx.devices):
-            with _OPEN_LOCK:
-                ctx = _OPEN.get(wanted[0]) if wanted else None
+            ctx = _OPEN.get(id(wanted[0])) if wanted else None
             if ctx is None or frozenset(wanted) != frozenset(ctx.devices):
                 raise collective_error(
                     CollectiveError,
@@ -86,7 +97,7 @@ def context_of(devices: Iterable[Any] | None, device: Device, op: str) -> tuple[
             op=op,
             who=shown,
         )
-    return ctx, ctx.devices.index(device)
+    return ctx, ctx._index[id(device)]
 
 
 def _normalize(devices: Iterable[Any], what: str) -> tuple[Device, ...]:
@@ -162,10 +173,14 @@ class DistributedContext:
                 f"{type(config).__name__}"
             )
         self._devices = devs
+        self._index = {id(d): i for i, d in enumerate(devs)}
         self._config = config
         self._names = ", ".join(str(d) for d in devs)
         self._engine: ContextEngine = make_context_engine(list(devs), config)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads waiting on the condition (notify only when some are)
+        self._ops = {id(r) for r in ReduceOperation if r.op in self._engine.ops}
         self._launch = threading.Lock()  # one launch at a time: engines are not re-entrant
         self._next = [0] * len(devs)
         self._calls: dict[int, _Call] = {}  # calls some but not every device submitted
@@ -174,15 +189,15 @@ class DistributedContext:
         self._closed = False
         self._broken: str | None = None
         with _OPEN_LOCK:
-            taken = [d for d in devs if d in _OPEN]
+            taken = [d for d in devs if id(d) in _OPEN]
             if not taken:
                 for d in devs:
-                    _OPEN[d] = self
+                    _OPEN[id(d)] = self
         if taken:
             self._engine.close()
             raise ValueError(
                 f"DistributedContext: device(s) {', '.join(map(str, taken))} are already in an "
-                f"open context ({_OPEN[taken[0]]!r}); close it first"
+                f"open context ({_OPEN[id(taken[0])]!r}); close it first"
             )
 
     @classmethod
@@ -239,8 +254,8 @@ class DistributedContext:
             self._cond.notify_all()
         with _OPEN_LOCK:
             for d in self._devices:
-                if _OPEN.get(d) is self:
-                    del _OPEN[d]
+                if _OPEN.get(id(d)) is self:
+                    del _OPEN[id(d)]
         with self._launch:
             self._engine.close()
 
@@ -274,8 +289,7 @@ class DistributedContext:
             CollectiveMismatchError: the devices' calls disagree (the context is then broken).
             CollectiveError: the context is closed or broken, or the engine failed.
         """
-        op = reduction.op
-        if op not in self._engine.ops:
+        if id(reduction) not in self._ops:
             supported = [r.name for r in ReduceOperation if r.op in self._engine.ops]
             raise self.error(
                 CollectiveError,
@@ -285,18 +299,19 @@ class DistributedContext:
                 f"ReduceOperation.{reduction.name} is not supported by this context's engine "
                 f"({type(self._engine).__name__}); supported: {', '.join(supported)}",
             )
-        with self._cond:
+        with self._lock:
             seq = self._next[index]
-            self._check_usable(index, name, seq)
+            if self._closed or self._broken is not None:
+                self._check_usable(index, name, seq)
             if self._owner[index] is None:
                 self._owner[index] = threading.get_ident()
             call = self._calls.get(seq)
             if call is None:
                 call = self._calls[seq] = _Call(seq, len(self._devices))
             self._next[index] = seq + 1
-            sig = (tuple(array.shape), str(array.dtype), reduction.name)
+            sig = (array.shape, array.dtype, reduction)
             if call.signature is None:
-                call.signature, call.op = sig, op
+                call.signature, call.op = sig, reduction.op
             elif sig != call.signature:
                 first = next(i for i, a in enumerate(call.arrays) if a is not None)
                 detail = (
@@ -309,7 +324,8 @@ class DistributedContext:
                 raise self.error(CollectiveMismatchError, index, name, seq, detail)
             call.arrays[index] = array
             call.submitted += 1
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
             if call.submitted < len(self._devices):
                 return call
             del self._calls[seq]
@@ -328,9 +344,10 @@ class DistributedContext:
             with self._cond:
                 self._fail(call, CollectiveError, detail, exc)
             raise self.error(CollectiveError, len(arrays) - 1, name, call.seq, detail, exc) from exc
-        with self._cond:
+        with self._lock:
             call.completion = completion
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def _fail(
         self, call: _Call, cls: type[CollectiveError], detail: str, cause: BaseException | None
@@ -369,6 +386,9 @@ class DistributedContext:
                 would submit the missing devices), the call failed, or the context closed.
             CollectiveTimeoutError: the missing devices did not submit within the timeout.
         """
+        completion = call.completion
+        if completion is not None and completion.done():  # the per-call path: nothing to wait
+            return completion.outputs[index]
         limit = self._config.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
         grace: float | None = None
@@ -403,7 +423,11 @@ class DistributedContext:
                         f"timed out after {limit:g} s waiting for {self._show(missing)} to "
                         "submit this call (every device must make the same calls)",
                     )
-                self._cond.wait(min(left, 0.05) if grace is not None else left)
+                self._waiting += 1
+                try:
+                    self._cond.wait(min(left, 0.05) if grace is not None else left)
+                finally:
+                    self._waiting -= 1
             if call.failure is not None:
                 cls, detail, cause = call.failure
                 raise self.error(cls, index, name, call.seq, detail, cause)
@@ -438,4 +462,4 @@ class DistributedContext:
 
 def _show(sig: tuple[Any, ...]) -> str:
     shape, dtype, op = sig
-    return f"shape {shape}, dtype {dtype}, op {op}"
+    return f"shape {tuple(shape)}, dtype {dtype}, op {op.name}"

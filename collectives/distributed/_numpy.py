@@ -4,11 +4,12 @@ The first device's output is reduced into by :func:`~collectives.backends._reduc
 reduce_in_order` (the same in-order reduction as the cpu backend and the threads NumPy
 engine, so the bits match theirs); every other device gets a copy of it, since logical CPU
 devices own separate arrays. The reduction runs in the thread that submitted the last
-device's call and is complete when it returns.
+device's call and is complete when it returns. Large outputs are recycled (:class:`_Pool`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,50 @@ class _Done:
         return None
 
 
+def _pool_only_refcount() -> int:
+    """What ``sys.getrefcount`` says, in :meth:`_Pool.take`'s loop, of an array that nothing
+    but the pool holds (measured: it differs between Python versions)."""
+    held = [np.empty(0)]
+    for a in held:
+        return sys.getrefcount(a)
+    raise AssertionError("unreachable")
+
+
+_ONLY_POOL = _pool_only_refcount()
+_POOL_MIN_BYTES = 64 * 1024  # smaller arrays come from NumPy's own cache of small blocks
+_POOL_PER_KEY = 3  # arrays kept per (device, shape, dtype): a caller holds the last results
+_POOL_KEYS = 64  # shapes remembered before the oldest is forgotten
+
+
+class _Pool:
+    """Output arrays recycled once nothing but the pool refers to them (a caching allocator,
+    as PyTorch's for CUDA): a fresh large array costs a page fault per 4 KiB on first write,
+    several times the reduction itself. Each device's arrays are its own."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[Any, ...], list[Any]] = {}
+
+    def take(self, device: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        key = (device, shape, dtype)
+        arrays = self._arrays.get(key)
+        if arrays is not None:
+            for a in arrays:
+                if sys.getrefcount(a) == _ONLY_POOL:
+                    return a
+        out = np.empty(shape, dtype=dtype)
+        if out.nbytes >= _POOL_MIN_BYTES:
+            if arrays is None:
+                if len(self._arrays) >= _POOL_KEYS:
+                    del self._arrays[next(iter(self._arrays))]
+                arrays = self._arrays[key] = []
+            if len(arrays) < _POOL_PER_KEY:
+                arrays.append(out)
+        return out
+
+    def clear(self) -> None:
+        self._arrays.clear()
+
+
 class NumpyContextEngine:
     """Reduces NumPy arrays of logical CPU devices (``cpu``, ``cpu:1``, ...)."""
 
@@ -40,16 +85,24 @@ class NumpyContextEngine:
 
     def __init__(self, devices: list[Any], config: DistributedConfig) -> None:
         self.size = len(devices)
+        self._pool = _Pool()
 
     def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> _Done:
         first = arrays[0]
-        out = np.empty(first.shape, dtype=first.dtype)
+        shape, dtype = first.shape, first.dtype
+        take = self._pool.take
+        out = take(0, shape, dtype)
         reduce_in_order(out, arrays, op, self.size)
         # One array per device: a later in-place write on one device must not show on another.
-        return _Done([out] + [out.copy() for _ in arrays[1:]])
+        outputs = [out]
+        for i in range(1, self.size):
+            copy = take(i, shape, dtype)
+            np.copyto(copy, out)
+            outputs.append(copy)
+        return _Done(outputs)
 
     def close(self) -> None:
-        return None
+        self._pool.clear()
 
 
 def make_numpy_engine(devices: list[Any], config: DistributedConfig) -> NumpyContextEngine:

@@ -284,6 +284,7 @@ def test_an_op_the_engine_lacks_and_a_failing_engine_are_clear_errors() -> None:
             return None
 
     from collectives.distributed import make_context_engine
+    from collectives.distributed._numpy import make_numpy_engine
 
     register_context_engine("odd", SumOnly)
     try:
@@ -299,8 +300,12 @@ def test_an_op_the_engine_lacks_and_a_failing_engine_are_clear_errors() -> None:
     # An engine that fails a launch fails the call for every device and breaks the context.
     devs = _devices(2)
     local = _local(devs, "float64")
-    with DistributedContext(devs) as ctx:
-        ctx._engine = SumOnly(devs, ctx.config)
+    register_context_engine("cpu", SumOnly)  # in place of the NumPy engine, for this test
+    try:
+        ctx = DistributedContext(devs)
+    finally:
+        register_context_engine("cpu", make_numpy_engine)
+    with ctx:
         with pytest.raises(CollectiveError, match="Max is not supported"):
             all_reduce(local[0], ReduceOperation.Max, devs)
         first = all_reduce(local[0], ReduceOperation.Sum, devs)
@@ -321,3 +326,27 @@ def test_collective_tensor_says_what_it_is() -> None:
         all_reduce(tl.ones(2), devices=devs)
         assert p.is_resolved() and "resolved" in repr(p)
         assert p.resolve() is p.resolve()
+
+
+def test_large_results_are_recycled_only_once_nothing_holds_them() -> None:
+    """Outputs of 64 KiB and more come from a pool: a result (or a view of it) the caller
+    still holds is never overwritten by a later call; a dropped one is reused."""
+    devs = _devices(2)
+    size = 40_000  # float64: 320 KB
+
+    def step(value: float) -> list[tl.Tensor]:
+        ts = [tl.full((size,), value, dtype=tl.float64, device=d) for d in devs]
+        return [p.resolve() for p in [all_reduce(t, ReduceOperation.Sum, devs) for t in ts]]
+
+    with DistributedContext(devs):
+        kept = step(1.0)
+        view = step(2.0)[1].data[:5]  # only a view of this result survives
+        later = [step(float(k)) for k in range(3, 7)]
+        assert np.all(kept[0].numpy() == 2.0) and np.all(kept[1].numpy() == 2.0)
+        assert np.all(view == 4.0)
+        assert np.all(later[-1][1].numpy() == 12.0)
+        seen = {t.data.ctypes.data for r in later for t in r}
+        del later
+        again = step(7.0)
+        assert {t.data.ctypes.data for t in again} <= seen, "dropped results were not reused"
+        assert np.all(again[0].numpy() == 14.0) and np.all(kept[0].numpy() == 2.0)
