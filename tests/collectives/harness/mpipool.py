@@ -127,6 +127,7 @@ def mpi_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["OMPI_MCA_btl_sm_backing_directory"] = _ompi_backing_dir()
     env["TMPDIR"] = _launch_tmpdir()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [src.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")  # as the launcher does: see pool.RankPool.start
     return env
 
 

@@ -191,6 +191,9 @@ class RankPool:
             DPT_TEST_TIMEOUT=str(self.timeout),
             DPT_TEST_PARENT_PID=str(os.getpid()),
         )
+        # As the launcher (and torchrun) does for several ranks on one host: one BLAS thread
+        # per rank, else ranks x cores spinning BLAS threads starve the ranks' communication.
+        base.setdefault("OMP_NUM_THREADS", "1")
         base.update(self._env)
         for rank in self._ranks:
             env = dict(base)
