@@ -3,10 +3,11 @@
 Helpers in the spirit of PyTorch Ignite's ``idist`` and Horovod: a distributed sampler and
 data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, rank-0
 atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`` API),
-``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients).
+``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients);
+``ddp.learner`` (Burn's Learner, SupervisedTraining and ExecutionStrategy).
 """
 
-from . import functional, idist
+from . import functional, idist, learner
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._data import DataLoader
@@ -32,6 +33,7 @@ __all__ = [
     "functional",
     "idist",
     "join",
+    "learner",
     "load_checkpoint",
     "one_rank_only",
     "save_checkpoint",

@@ -92,7 +92,8 @@ class EpochMetrics:
         train_accuracy: the training accuracy, or None without class scores and labels.
         valid_loss: the mean validation loss after the epoch, or None without a valid loader.
         valid_accuracy: the validation accuracy, or None.
-        seconds: the epoch's wall time (training, validation and checkpoint).
+        seconds: the epoch's wall time for training and validation (the checkpoint after
+            it is not counted: its figure is part of what it writes).
     """
 
     epoch: int

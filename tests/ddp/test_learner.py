@@ -344,3 +344,41 @@ def test_bad_training_arguments_are_refused_clearly(tmp_path: Path) -> None:
     ragged = [(np.zeros((4, 8)), np.zeros(3, dtype=np.int64))]
     with pytest.raises(ValueError, match="same first dimension"):
         _train(tmp_path / "ragged", ExecutionStrategy.single_device(), train=ragged)
+
+
+def test_multi_device_over_devices_of_two_servers_equals_one_device(
+    tmp_path: Path, reference: TrainingResult
+) -> None:
+    """Burn's case for the non-DDP path: no collectives between two servers' devices."""
+    with remote.serve(["cpu"], token=TOKEN) as a, remote.serve(["cpu"], token=TOKEN) as b:
+        devs = [remote.devices(s.address, token=TOKEN)[0] for s in (a, b)]
+        try:
+            for mode in ("main_device", "sharded"):
+                got = _train(tmp_path / mode, ExecutionStrategy.multi_device(devs, optim=mode))
+                assert next(got.model.parameters()).device is devs[0]
+                _close(got, reference, MULTI_TOL)
+        finally:
+            for d in devs:
+                remote.close(d)
+
+
+def test_without_tqdm_progress_is_plain_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp.learner import _progress
+
+    monkeypatch.setattr(_progress, "_tqdm", lambda: None)
+    model = _mlp()
+    SupervisedTraining(tmp_path, _batches(), loss_fn=F.cross_entropy).launch(_learner(model))
+    captured = capsys.readouterr()
+    assert captured.out.startswith("epoch 1/1  train loss ") and captured.err == ""
+
+
+def test_the_epoch_benchmark_prints_a_row_per_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.learner_epoch import main
+
+    args = ["--samples", "64", "--batch", "16", "--hidden", "8", "--epochs", "1", "--runs", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for row in ("hand loop", "single_device", "ddp(2 cpu devices)", "main_device", "sharded"):
+        assert row in out, out
