@@ -93,6 +93,8 @@ def shard(batch: Any, bounds: tuple[int, int], n: int, device: Device) -> Any:
             return _leaf(value, lo, hi, whole, device)
         if isinstance(value, tuple | list):
             items = [walk(v) for v in value]
+            if hasattr(value, "_fields"):  # a namedtuple keeps its type
+                return type(value)(*items)
             return tuple(items) if isinstance(value, tuple) else items
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
