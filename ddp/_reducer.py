@@ -202,7 +202,8 @@ class Reducer:
                     buf = b.device.xp.zeros(b.numel, dtype=b.dtype)
             b.buffer = buf
             for j, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
-                view = tl.from_array(buf[off : off + p.size].reshape(p.shape))
+                # On the bucket's device: a logical CPU device (cpu:1) is not NumPy's own.
+                view = tl.from_array(buf[off : off + p.size].reshape(p.shape), b.device)
                 # An existing gradient moves into its bucket; a missing one stays None (as in
                 # a plain model, so an optimizer step before any backward changes nothing)
                 # until backward produces it and the hook moves it into the view.

@@ -148,7 +148,7 @@ def _reduce_bucket(pg: collectives.ProcessGroup, bucket: list[Tensor], op: str) 
         if p.grad is not None and p.grad.data.flags.writeable:
             p.grad.data[...] = chunk  # in place: views into the grad (DDP buckets) stay valid
         else:
-            p.grad = tl.from_array(chunk.copy())
+            p.grad = tl.from_array(chunk.copy(), p.device)
 
 
 def sync_parameters(

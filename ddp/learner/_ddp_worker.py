@@ -36,6 +36,10 @@ _END = object()  # the end of one phase's batches in a feed
 _POLL_S = 0.1
 
 
+class _PeerStoppedError(RuntimeError):
+    """This rank stopped because another failed (never the root cause of a run's failure)."""
+
+
 class _Feed:
     """Rank 0's batches, handed to the other ranks through one bounded queue each."""
 
@@ -49,7 +53,7 @@ class _Feed:
 
     def _check(self) -> None:
         if self.failed.is_set():
-            raise RuntimeError("another rank of the DDP run failed; this rank stops too")
+            raise _PeerStoppedError("another rank of the DDP run failed; this rank stops too")
 
     def _put(self, q: queue.Queue[Any], item: Any) -> None:
         while True:
@@ -217,7 +221,11 @@ def run_ddp(
             timeout=timeout,
         )
     except collectives.SpawnError as err:
-        root = shared.errors.get(err.rank) if err.rank is not None else None
+        # The rank whose failure stopped the others, whichever rank spawn heard from first.
+        causes = [e for e in shared.errors.values() if not isinstance(e, _PeerStoppedError)]
+        root = (
+            causes[0] if causes else shared.errors.get(err.rank) if err.rank is not None else None
+        )
         if root is None:
             raise
         raise root from err
