@@ -16,6 +16,7 @@ connection's first frames), ``_records`` (a session's records and replies); and 
 """
 
 from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError, RemoteOpError
+from ._host import RemoteHost, RemoteServer, TokenAuthorizer
 from .client import close, devices, stats
 from .server import Server, serve
 
@@ -23,8 +24,11 @@ __all__ = [
     "RemoteAuthError",
     "RemoteConnectionError",
     "RemoteError",
+    "RemoteHost",
     "RemoteOpError",
+    "RemoteServer",
     "Server",
+    "TokenAuthorizer",
     "close",
     "devices",
     "serve",
