@@ -16,9 +16,8 @@ connection's first frames), ``_records`` (a session's records and replies); and 
 """
 
 from ._errors import RemoteAuthError, RemoteConnectionError, RemoteError, RemoteOpError
-from ._host import RemoteHost, RemoteServer, TokenAuthorizer
-from .client import close, devices, stats
-from .server import Server, serve
+from .client import RemoteHost, close, devices, stats
+from .server import RemoteServer, Server, TokenAuthorizer, serve
 
 __all__ = [
     "RemoteAuthError",

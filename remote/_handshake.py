@@ -145,3 +145,12 @@ def parse_device_list(payload: bytes | memoryview) -> list[str] | None:
     if r.u8() != DEVICES:
         return None
     return [r.str() for _ in range(r.u16())]
+
+
+def check_token(token: object, who: str) -> str | bytes:
+    """``token`` if it is a non-empty str or bytes; ``who`` names the caller in the error."""
+    if not isinstance(token, (str, bytes)):
+        raise TypeError(f"{who}: token must be a str or bytes, got {type(token).__name__}")
+    if not token:
+        raise ValueError(f"{who}: token must not be empty")
+    return token
