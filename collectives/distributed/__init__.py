@@ -32,10 +32,15 @@ from ._engines import (
     register_context_engine,
     unregister_context_engine,
 )
+from ._nccl import NcclContextEngine, make_nccl_engine
 from ._numpy import NumpyContextEngine, make_numpy_engine
 
 register_context_engine(
     "cpu", make_numpy_engine, "logical CPU devices: reduced in host memory, in device order"
+)
+# Loads CuPy and libnccl only when a context over GPUs is opened.
+register_context_engine(
+    "cuda", make_nccl_engine, "GPUs: one NCCL communicator each, one NCCL group call per all-reduce"
 )
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "ContextEngineSpec",
     "DistributedConfig",
     "DistributedContext",
+    "NcclContextEngine",
     "NumpyContextEngine",
     "ReduceOperation",
     "all_reduce",

@@ -18,7 +18,19 @@ What it models, so that the backend's mistakes show:
   reads every input, then (after all ranks read) writes every output, so in-place calls are
   exact. Ranks that disagree on the kind, count, dtype, op or root hang, as NCCL may, until
   their communicator is aborted. ``ncclGroupStart``/``End`` collect calls (per thread) and run
-  them as one unit; sends are eager (buffered), receives wait for their message.
+  them as one unit at the outermost ``ncclGroupEnd``, each communicator's part on its own
+  stream, so one thread may issue every rank's call of a world (NCCL's single-controller
+  mode); sends are eager (buffered), receives wait for their message. An error inside a group
+  makes ``ncclGroupEnd`` return it and drops the whole group.
+* ``ncclCommInitRank*`` inside a group, as in NCCL's ``src/init.cc`` (``ncclCommInitRankDev``
+  writes ``*newcomm`` and hands the init to ``ncclAsyncLaunch``) and ``src/group.cc`` (which
+  queues it while ``ncclGroupDepth > 0``; ``ncclGroupEndInternal`` runs the group's jobs and,
+  for blocking communicators, returns once all completed): the handle is written at the call,
+  the init runs at the outermost ``ncclGroupEnd``, so one thread can make every rank of a
+  world (``ncclCommInitAll``). Until then the communicator is not ready: a collective on it
+  fails (``ncclInvalidArgument``, "Attempt to use communicator before..."; real NCCL checks
+  only ``asyncResult`` there, so using it is undefined rather than reported). Blocking and
+  non-blocking inits in one group fail, as ``ncclAsyncLaunch`` refuses them.
 * Non-blocking communicators (``blocking=0``) report ``ncclInProgress`` from
   ``ncclCommGetAsyncError`` until every rank joined (init) or the queue drained (finalize).
   ``ncclCommAbort`` wakes everything the communicator waits on; a handle used after abort or
@@ -37,9 +49,9 @@ What it models, so that the backend's mistakes show:
     ``ncclInProgress`` until the split completed (maintainer's word in NVIDIA/nccl#1472).
     The child's own mode comes from the config passed, else the parent's. Using the parent
     meanwhile gives ``ncclInvalidArgument`` (``ncclCommEnsureReady``).
-  - ``ncclCommInitRankConfig`` writes ``*newcomm`` before it returns; libraries before 2.18
-    (``version < 21800``) also dereference the caller's pointer from their init thread when
-    the init completes.
+  - ``ncclCommInitRankConfig`` writes ``*newcomm`` before it returns (inside a group too);
+    libraries before 2.18 (``version < 21800``) also dereference the caller's pointer from
+    their init thread when the init completes.
   - ``NCCL_COMM_BLOCKING=0|1`` in the environment overrides the config's ``blocking``, as
     NCCL's ``envConfigOverride`` does.
 * Test controls: :meth:`FakeNccl.fail_next` makes the next call(s) of a function return an
@@ -186,6 +198,16 @@ class _SplitPost:
     out: _Out
 
 
+@dataclass
+class _InitJob:
+    """An ``ncclCommInitRank*`` made inside a group: it runs at the outermost ncclGroupEnd."""
+
+    comm: _Comm
+    key: bytes
+    nranks: int
+    out: _Out | None
+
+
 class _Comm:
     def __init__(self, handle: int, world: _World | None, rank: int, device: int, blocking: bool):
         self.handle = handle
@@ -209,6 +231,8 @@ class _Tls(threading.local):
     def __init__(self) -> None:
         self.depth = 0
         self.pending: list[tuple[_Comm, fake_cupy.Stream, _Op]] = []
+        self.inits: list[_InitJob] = []
+        self.blocking: bool | None = None  # the mode of the group's inits (NCCL: one per group)
         self.error = SUCCESS
 
 
@@ -340,35 +364,75 @@ class FakeNccl:
         self.counts[name] += 1
         code = self._fault(name)
         if code:
-            return code
+            return self._group_error(code, self._last_error)
         blocking = True
         if config is not None:
             if config.magic != _API_MAGIC:
-                return self._err(INVALID_ARGUMENT, "ncclConfig_t not initialized (bad magic)")
+                return self._group_error(
+                    INVALID_ARGUMENT, "ncclConfig_t not initialized (bad magic)"
+                )
             if config.version < 21400 or config.size < 20:
-                return self._err(INVALID_ARGUMENT, f"ncclConfig_t size {config.size} too small")
+                return self._group_error(
+                    INVALID_ARGUMENT, f"ncclConfig_t size {config.size} too small"
+                )
             blocking = config.blocking != 0
         blocking = _env_blocking(blocking)
         if not 0 <= rank < nranks:
-            return self._err(INVALID_ARGUMENT, f"rank {rank} out of range for {nranks} ranks")
-        key = bytes(uid)
-        with self._lock:
-            world = self._worlds.get(key)
-            if world is None:
-                world = self._worlds[key] = _World(nranks, key[:4].hex())
-        with world.cond:
-            if world.nranks != nranks:
-                return self._err(
-                    INVALID_ARGUMENT, f"nranks {nranks} differs from the peers' {world.nranks}"
+            return self._group_error(
+                INVALID_ARGUMENT, f"rank {rank} out of range for {nranks} ranks"
+            )
+        # The device is the one current at the call (NCCL's cudaGetDevice), even when the
+        # init itself runs later, at ncclGroupEnd.
+        comm = _Comm(next(self._handles), None, rank, _current_device(), blocking)
+        out = None
+        if not blocking and self.version < 21800:
+            # NCCL 2.14-2.17 keep the caller's ncclComm_t* and use it from the init thread.
+            out = _Out(comm_out, name, self.stale_writes)
+        job = _InitJob(comm, bytes(uid), nranks, out)
+        tls = self._tls
+        if tls.depth:
+            # Inside a group NCCL writes *newcomm at once but only queues the init as a job
+            # of the group (ncclAsyncLaunch); it runs at the outermost ncclGroupEnd.
+            if tls.blocking is None:
+                tls.blocking = blocking
+            elif tls.blocking != blocking:
+                return self._group_error(
+                    INVALID_ARGUMENT,
+                    "Blocking and nonblocking communicators are not allowed in the same group.",
                 )
-            if rank in world.comms:
-                return self._err(INVALID_USAGE, f"rank {rank} joined twice")
-            comm = _Comm(next(self._handles), world, rank, _current_device(), blocking)
-            if not blocking and self.version < 21800:
-                # NCCL 2.14-2.17 keep the caller's ncclComm_t* and use it from the init thread.
-                comm.out = _Out(comm_out, name, self.stale_writes)
             comm_out.value = comm.handle
-            world.comms[rank] = comm
+            with self._lock:
+                self._comms[comm.handle] = comm
+            tls.inits.append(job)
+            return SUCCESS
+        code = self._join(job, comm_out)
+        if code:
+            return code
+        if blocking:
+            self._await_ready([comm])
+            return SUCCESS
+        return IN_PROGRESS if not self._ready(comm) else SUCCESS
+
+    def _join(self, job: _InitJob, comm_out: Any = None) -> int:
+        """Run an init: add its communicator to the world of its unique id (0, or the error).
+        ``comm_out`` gets the handle, unless a group call wrote it already."""
+        comm = job.comm
+        with self._lock:
+            world = self._worlds.get(job.key)
+            if world is None:
+                world = self._worlds[job.key] = _World(job.nranks, job.key[:4].hex())
+        with world.cond:
+            if world.nranks != job.nranks:
+                return self._err(
+                    INVALID_ARGUMENT, f"nranks {job.nranks} differs from the peers' {world.nranks}"
+                )
+            if comm.rank in world.comms:
+                return self._err(INVALID_USAGE, f"rank {comm.rank} joined twice")
+            comm.world = world
+            comm.out = job.out
+            if comm_out is not None:
+                comm_out.value = comm.handle
+            world.comms[comm.rank] = comm
             if world.ready:
                 for c in world.comms.values():  # the init completes: its thread uses the pointer
                     if c.out is not None:
@@ -378,13 +442,46 @@ class FakeNccl:
         with self._lock:
             self._comms[comm.handle] = comm
             if world.ready:
-                self._worlds.pop(key, None)  # a unique id makes one communicator
-        if blocking:
+                self._worlds.pop(job.key, None)  # a unique id makes one communicator
+        return SUCCESS
+
+    @staticmethod
+    def _ready(comm: _Comm) -> bool:
+        return comm.world is not None and comm.world.ready
+
+    @staticmethod
+    def _await_ready(comms: list[_Comm]) -> None:
+        """A blocking init returns once its world is complete (or it was aborted)."""
+        for comm in comms:
+            world = comm.world
+            if world is None:
+                continue
             with world.cond:
                 while not world.ready and not comm.aborted.is_set():
                     world.cond.wait(0.05)
+
+    def _run_inits(self, inits: list[_InitJob], blocking: bool) -> int:
+        """The inits of a group, at its outermost ncclGroupEnd (NCCL's groupLaunch: one job
+        each, all of them awaited for blocking communicators; a failed one fails the group)."""
+        for i, job in enumerate(inits):
+            if job.comm.destroyed:
+                continue
+            code = self._join(job)
+            if code:
+                self._drop(inits[i:], code)
+                return code
+        if blocking:
+            self._await_ready([job.comm for job in inits])
             return SUCCESS
-        return IN_PROGRESS if not world.ready else SUCCESS
+        return IN_PROGRESS  # a non-blocking group: poll ncclCommGetAsyncError
+
+    @staticmethod
+    def _drop(inits: list[_InitJob], code: int) -> None:
+        """A group that failed: its inits never run, and their communicators report the error
+        (NCCL's groupCleanup sets it on each job's communicator)."""
+        for job in inits:
+            if job.comm.world is None:
+                job.comm.async_error = code
 
     def ncclCommSplit(
         self, comm: Any, color: int, key: int, newcomm_out: ctypes.c_void_p, config: Any
@@ -585,10 +682,22 @@ class FakeNccl:
         if tls.depth:
             return SUCCESS
         pending, tls.pending = tls.pending, []
+        inits, tls.inits = tls.inits, []
+        blocking, tls.blocking = tls.blocking, None
         error, tls.error = tls.error, SUCCESS
         code = self._fault("ncclGroupEnd")
         if error or code:
+            self._drop(inits, error or code)
             return error or code  # NCCL drops the whole group on an error inside it
+        if inits:
+            # The inits run first (NCCL's groupLaunch: asyncJobLaunch, then the collectives).
+            code = self._run_inits(inits, blocking is not False)
+            if code not in (SUCCESS, IN_PROGRESS):
+                return code
+            if pending:
+                launched = self._launch(pending)
+                return code or launched
+            return code
         return self._launch(pending)
 
     # ------------------------------------------------------------------ plumbing
@@ -656,6 +765,12 @@ class FakeNccl:
         for c, s, op in items:
             by_comm.setdefault(c.handle, (c, s, []))[2].append(op)
         busy = False
+        # The fake's null stream runs work at once, in the calling thread. One thread's group
+        # over several ranks on it would wait there for itself, where on GPUs each device's
+        # default stream runs its rank's part: those run side by side, and the call returns
+        # when all have (the host waited for the null stream, as it does for eager kernels).
+        eager = sum(1 for _c, s, _o in by_comm.values() if s._is_null) > 1
+        side: list[threading.Thread] = []
         for c, s, ops in by_comm.values():
             c.inflight += 1
 
@@ -665,10 +780,16 @@ class FakeNccl:
                 finally:
                     c.inflight -= 1
 
-            s._enqueue(run)
+            if eager and s._is_null:
+                side.append(threading.Thread(target=run, name="fake-nccl-null-stream", daemon=True))
+                side[-1].start()
+            else:
+                s._enqueue(run)
             if not c.blocking and self.in_progress_ops:
                 c.busy_until = time.monotonic() + self.in_progress_ops
                 busy = True
+        for t in side:
+            t.join()
         return IN_PROGRESS if busy else SUCCESS
 
     def _execute(self, c: _Comm, ops: list[_Op]) -> None:
@@ -741,10 +862,15 @@ class FakeNccl:
             for a in arrays[1:]:
                 uf(out, a, out=out)
             if op == 4:  # avg
+                n = len(arrays)
                 if out.dtype.kind == "f":
-                    out = (out / len(arrays)).astype(out.dtype)
+                    out = (out / n).astype(out.dtype)
                 else:
-                    out //= len(arrays)
+                    # NCCL's FuncSumPostDiv divides the magnitude: the quotient is truncated
+                    # toward zero (-7 / 2 is -3), where NumPy's // floors.
+                    rest = out % n
+                    out //= n
+                    out += ((rest != 0) & (out < 0)).astype(out.dtype)
         return out
 
     def _compute(self, rank: int, n: int, op: _Op, ops: list[_Op]) -> np.ndarray[Any, Any] | None:
