@@ -5,7 +5,8 @@ host platform device count): tensors on two of them cannot be mixed in one op, a
 between them copies. ``"cpu:0"`` is ``"cpu"``. :meth:`Device.enumerate` lists the devices of a
 type (``"cpu"``: as many as :func:`set_cpu_device_count` or ``TENSORLIB_CPU_DEVICES`` ask for,
 default 1; ``"cuda"``: every visible GPU; an object with a ``devices()`` method, such as
-``remote.RemoteHost``: its devices), so code written for several GPUs runs on a laptop.
+``remote.RemoteHost``: its devices), so code written for several GPUs runs on a laptop;
+:meth:`Device.remote_options` ``(host).init()`` connects one device of such a host.
 
 CuPy is optional and imported lazily, the first time a CUDA device is asked for. When it cannot
 be used, the original reason is kept and every later request raises one clear
@@ -29,6 +30,7 @@ __all__ = [
     "Device",
     "DeviceList",
     "DeviceType",
+    "RemoteOptions",
     "cpu_device_count",
     "cuda_device_count",
     "cuda_is_available",
@@ -245,6 +247,19 @@ class Device:
             )
         return DeviceList(Device(d) for d in listing())
 
+    @staticmethod
+    def remote_options(host: Any) -> RemoteOptions:
+        """Options to connect one device of ``host`` (Burn's ``Device::remote_options(&host)``);
+        ``.init()`` connects and returns the device.
+
+        Args:
+            host: an object with a ``devices()`` method, such as ``remote.RemoteHost``.
+
+        Raises:
+            TypeError: ``host`` has no ``devices()`` method.
+        """
+        return RemoteOptions(host)
+
     @property
     def xp(self) -> Any:
         """The array module of this device: ``numpy``, ``cupy`` or a registered kind's."""
@@ -325,6 +340,68 @@ class DeviceType(enum.StrEnum):
     def Remote(host: Any) -> Any:
         """``host`` itself: what :meth:`Device.enumerate` lists the devices of."""
         return host
+
+
+class RemoteOptions:
+    """Which device of a host :meth:`Device.remote_options` connects: the host's first
+    (Burn's default device) unless :meth:`index` says otherwise (it returns new options).
+
+    Args:
+        host: an object with a ``devices()`` method, such as ``remote.RemoteHost``.
+        index: the device's position in ``host.devices()``.
+
+    Raises:
+        TypeError: ``host`` has no ``devices()`` method, or ``index`` is not an int.
+        ValueError: ``index`` is negative.
+    """
+
+    __slots__ = ("_host", "_index")
+
+    def __init__(self, host: Any, index: int = 0) -> None:
+        if not callable(getattr(host, "devices", None)):
+            raise TypeError(
+                f"Device.remote_options: {host!r} is not a host; expected an object with a "
+                "devices() method, such as remote.RemoteHost('HOST:PORT')"
+            )
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"Device.remote_options: index must be an int, got {index!r}")
+        if index < 0:
+            raise ValueError(f"Device.remote_options: index must be >= 0, got {index}")
+        self._host = host
+        self._index = index
+
+    def index(self, index: int) -> RemoteOptions:
+        """These options for the host's device at ``index`` (0, the default: its first).
+
+        Raises:
+            TypeError: ``index`` is not an int.
+            ValueError: it is negative.
+        """
+        return RemoteOptions(self._host, index)
+
+    def init(self) -> Device:
+        """Connect to the host and return its device (Burn's ``.init()``).
+
+        Returns:
+            The device, ready for ``tl.ones(..., device=d)`` and ``model.to(d)``.
+
+        Raises:
+            ValueError: the host has no device at the chosen index.
+            Exception: whatever the host's ``devices()`` raises when it cannot connect
+                (``remote.RemoteAuthError``, ``remote.RemoteConnectionError``).
+        """
+        # Listing the devices connects and authenticates: a wrong token or an unreachable
+        # server fails here, not at the first op (Burn's init returns that error).
+        found = list(self._host.devices())
+        if self._index >= len(found):
+            raise ValueError(
+                f"Device.remote_options: {self._host!r} hosts {len(found)} device(s); there is "
+                f"no device at index {self._index}"
+            )
+        return Device(found[self._index])
+
+    def __repr__(self) -> str:
+        return f"Device.remote_options({self._host!r}).index({self._index})"
 
 
 class DeviceList(list[Device]):

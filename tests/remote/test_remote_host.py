@@ -1,5 +1,6 @@
 """Burn's names for remote's two ends: ``RemoteHost`` (``with_credential``, ``with_fingerprint``,
-``devices()``, ``tl.Device.enumerate(host)``) and ``RemoteServer`` with ``TokenAuthorizer``."""
+``devices()``, ``tl.Device.enumerate(host)``, ``tl.Device.remote_options(host).init()``) and
+``RemoteServer`` with ``TokenAuthorizer``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,58 @@ def test_an_unreachable_host_is_a_connection_error() -> None:
         port = s.getsockname()[1]
         with pytest.raises(remote.RemoteConnectionError, match=str(port)):
             remote.RemoteHost(f"127.0.0.1:{port}").with_credential(TOKEN).devices(timeout=2.0)
+
+
+def test_remote_options_init_connects_one_device_of_the_host(
+    local_server: remote.Server,
+) -> None:
+    host = remote.RemoteHost(local_server.address).with_credential(TOKEN)
+    devs = host.devices()
+    options = tl.Device.remote_options(host)
+    assert isinstance(options, tl.RemoteOptions)
+    # Burn's default device is the host's first; .index(i) picks another.
+    assert options.init() is devs[0]
+    assert options.index(1).init() is devs[1]
+    assert options.init() is devs[0]  # options are values: index() made new ones
+    assert TOKEN not in repr(options) and repr(options).endswith(".index(0)")
+    # The page's lines: ones on the device, a model moved there, run by the server.
+    device = options.init()
+    tl.manual_seed(0)
+    model = tl.nn.Linear(128, 4)
+    local = model(tl.ones((32, 128))).numpy()
+    out = model.to(device)(tl.ones((32, 128), device=device))
+    assert out.device is device
+    np.testing.assert_array_equal(out.numpy(), local)
+
+
+def test_remote_options_init_raises_the_hosts_error(local_server: remote.Server) -> None:
+    with pytest.raises(remote.RemoteAuthError):
+        tl.Device.remote_options(remote.RemoteHost(local_server.address)).init()
+    wrong = remote.RemoteHost(local_server.address).with_credential("not-the-token")
+    with pytest.raises(remote.RemoteAuthError):
+        tl.Device.remote_options(wrong).init()
+    host = remote.RemoteHost(local_server.address).with_credential(TOKEN)
+    with pytest.raises(ValueError, match=r"hosts 2 device.*no device at index 2"):
+        tl.Device.remote_options(host).index(2).init()
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: nobody answers
+        s.bind(("127.0.0.1", 0))
+        gone = remote.RemoteHost(f"127.0.0.1:{s.getsockname()[1]}").with_credential(TOKEN)
+        with pytest.raises(remote.RemoteConnectionError):
+            tl.Device.remote_options(gone).init()
+
+
+def test_remote_options_check_their_arguments() -> None:
+    with pytest.raises(TypeError, match=r"not a host.*devices\(\) method"):
+        tl.Device.remote_options("127.0.0.1:9000")
+    options = tl.Device.remote_options(remote.RemoteHost("127.0.0.1:9000"))
+    with pytest.raises(ValueError, match="index must be >= 0"):
+        options.index(-1)
+    with pytest.raises(TypeError, match="index must be an int"):
+        options.index(True)
+    with pytest.raises(TypeError, match="index must be an int"):
+        options.index("1")  # type: ignore[arg-type]
 
 
 def test_hosts_are_immutable_and_never_show_the_token() -> None:
