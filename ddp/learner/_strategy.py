@@ -181,6 +181,13 @@ class DdpStrategy(ExecutionStrategy):
 
     def __init__(self, devices: Iterable[Any], config: Any, bucket_cap_mb: float) -> None:
         self.devices = _device_list(devices, "ExecutionStrategy.ddp")
+        kinds = sorted({d.type for d in self.devices})
+        if len(kinds) > 1:
+            raise ValueError(
+                f"ExecutionStrategy.ddp: the devices must be of one kind (collectives run "
+                f"among devices of one kind), got {kinds} ({', '.join(map(str, self.devices))}); "
+                "use ExecutionStrategy.multi_device for devices without collectives among them"
+            )
         if config is None:
             config = _default_config()
         self.config = config

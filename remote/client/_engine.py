@@ -71,7 +71,8 @@ class RemoteEngine(NumpyEngine):
                 f"threads backend: the remote devices of one group must be hosted by one server "
                 f"(the reduction runs on it, among its sessions), got devices of {servers} "
                 f"({', '.join(str(d) for d in members)}); make one group per server, or copy "
-                "the data through the host yourself"
+                "the data through the host yourself (the Learner does: ExecutionStrategy."
+                "multi_device trains over devices of several servers)"
             )
         if len({str(d) for d in members}) != len(members):
             raise ValueError(

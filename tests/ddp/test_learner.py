@@ -19,6 +19,7 @@ import pytest
 import remote
 import tensorlib as tl
 import tensorlib.functional as F
+from collectives import SpawnError
 from collectives.distributed import DistributedConfig, ReduceOperation
 from ddp import DataLoader
 from ddp.learner import (
@@ -359,6 +360,11 @@ def test_multi_device_over_devices_of_two_servers_equals_one_device(
                 got = _train(tmp_path / mode, ExecutionStrategy.multi_device(devs, optim=mode))
                 assert next(got.model.parameters()).device is devs[0]
                 _close(got, reference, MULTI_TOL)
+            # DDP needs collectives among the devices: refused, pointing to multi_device.
+            with pytest.raises(SpawnError, match=r"ExecutionStrategy\.multi_device"):
+                _train(tmp_path / "ddp", ExecutionStrategy.ddp(devs))
+            with pytest.raises(ValueError, match=r"of one kind.*ExecutionStrategy.multi_device"):
+                ExecutionStrategy.ddp([_cpus(1)[0], devs[0]])
         finally:
             for d in devs:
                 remote.close(d)
