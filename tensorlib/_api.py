@@ -10,6 +10,7 @@ import numpy as np
 from . import _ops_elementwise as _ew
 from . import _ops_linalg as _la
 from . import _ops_movement as _mv
+from ._device import device_of
 from ._dtype import result_type
 from ._tensor import Tensor
 
@@ -106,7 +107,11 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
         rt = result_type(a, b)
         if rt is not None:
             xp = _ew.xp_of(cond)
-            a, b = xp.asarray(a, dtype=rt), xp.asarray(b, dtype=rt)
+            # No tensor operand to run apply on its device: the condition's GPU is made
+            # current here, for these arrays and the op, whichever GPU is current.
+            with device_of(cond):
+                a, b = xp.asarray(a, dtype=rt), xp.asarray(b, dtype=rt)
+                return _ew.Where.apply(cond, a, b)
     return _ew.Where.apply(cond, a, b)
 
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _autocast
-from ._device import device_of
+from . import _autocast, _device_guard
+from ._device import CPU, device_of
+from ._device_guard import call_on
 from ._dtype import FLOATING, promote_operands
 from ._grad_mode import _state, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 
@@ -147,18 +148,29 @@ class Function:
                         dt = False  # an array operand: promotion decides
                 raw.append(a)
                 ins.append(None)
+        # CuPy computes on the current GPU: the inputs' GPU must be current for the casts and
+        # the forward, whichever is (see _device_guard). The CPU pays one identity test.
+        gpu = dev if dev is not CPU and dev is not None and dev.type == "cuda" else None
         # One floating dtype and Python numbers: that dtype wins, nothing to promote.
         if cls.promote_from is not None and dt not in FLOATING:
-            promote_operands(raw, cls.promote_from, cls.float_result)
+            if gpu is not None:
+                call_on(gpu, promote_operands, (raw, cls.promote_from, cls.float_result), {})
+            else:
+                promote_operands(raw, cls.promote_from, cls.float_result)
         ctx = object.__new__(cls)
         try:
-            out = ctx.forward(*raw, **kwargs)
+            if gpu is not None:
+                out = call_on(gpu, ctx.forward, tuple(raw), kwargs)
+            else:
+                out = ctx.forward(*raw, **kwargs)
         except (ValueError, TypeError, IndexError) as exc:
             raise _forward_error(cls, exc, raw) from exc
         if isinstance(out, np.generic):  # NumPy returns scalars from 0-d ufuncs and reductions
             out = np.asarray(out)
         if cls.moves_device:
             dev = kwargs["device"]
+            if requires_grad and _state.enabled:  # recorded: backward checks each node's device
+                _device_guard.cross_device_recorded = True
         elif dev is None:
             dev = device_of(out)
         # The output is built inline, here and in binary_operator's shorter path, not by a
@@ -185,6 +197,7 @@ def _forward_error(cls: type[Function], exc: Exception, raw: list[Any]) -> Excep
 
 
 _new = object.__new__
+_NO_KWARGS: dict[str, Any] = {}
 
 
 def binary_operator(
@@ -232,7 +245,11 @@ def binary_operator(
             if ok and dt in FLOATING:
                 record = (ia is not None or ib is not None) and _state.enabled
                 try:
-                    if record:
+                    if dev is not CPU and dev.type == "cuda":  # on its GPU (see _device_guard)
+                        ctx = _new(cls)
+                        fn = ctx.forward if record else compute
+                        out = call_on(dev, fn, (da, db), _NO_KWARGS)
+                    elif record:
                         ctx = _new(cls)
                         out = ctx.forward(da, db)
                     else:

@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _device_guard
+from ._device_guard import DeviceGuard
 from ._grad_mode import _state
 
 if TYPE_CHECKING:
     from ._autograd import Function
+    from ._device import Device
     from ._tensor import Tensor
 
 __all__ = ["RemovableHandle", "queue_callback", "run_backward", "take_grad_buffer"]
@@ -78,23 +81,32 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
             "backward(): this tensor does not require grad and has no graph "
             "(was it computed under no_grad(), or from tensors with requires_grad=False?)"
         )
-    seed, seed_owned = _seed(root, grad)
     callbacks: list[Callable[[], None]] = []
     _state.callback_stack.append(callbacks)
     outer_taken, _state.taken = _state.taken, set()
-    try:
-        if root._ctx is None:
-            _accumulate(root, seed, seed_owned)
-        else:
-            _run_graph(root._ctx, seed, seed_owned, retain_graph)
-        # Callbacks may queue more callbacks; run until none is left.
-        i = 0
-        while i < len(callbacks):
-            callbacks[i]()
-            i += 1
-    finally:
-        _state.callback_stack.pop()
-        _state.taken = outer_taken
+    # Gradients are computed on the graph's GPU whichever is current, and the caller's current
+    # device is back afterwards (see _device_guard). Every node of a graph is on its root's
+    # device unless a node that moves data between devices was ever recorded: then the
+    # engine makes each node's device current as it runs it.
+    with DeviceGuard() as guard:
+        guard.use(root._device)
+        try:
+            seed, seed_owned = _seed(root, grad)
+            if root._ctx is None:
+                _accumulate(root, seed, seed_owned)
+            else:
+                per_node = guard if _device_guard.cross_device_recorded else None
+                _run_graph(root._ctx, seed, seed_owned, retain_graph, per_node)
+                if per_node is not None:
+                    guard.use(root._device)  # callbacks run on the root's device
+            # Callbacks may queue more callbacks; run until none is left.
+            i = 0
+            while i < len(callbacks):
+                callbacks[i]()
+                i += 1
+        finally:
+            _state.callback_stack.pop()
+            _state.taken = outer_taken
 
 
 def _seed(root: Tensor, grad: Any | None) -> tuple[Any, bool]:
@@ -126,12 +138,19 @@ def _seed(root: Tensor, grad: Any | None) -> tuple[Any, bool]:
 _Waiting = dict[int, tuple[Any, bool]]
 
 
-def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: bool) -> None:
+def _run_graph(
+    root_fn: Function,
+    seed: Any,
+    seed_owned: bool,
+    retain_graph: bool,
+    per_node: DeviceGuard | None = None,
+) -> None:
     """Run the backward of every node below ``root_fn``, each once all its consumers have run.
 
     Kahn's algorithm over the counts of :func:`_count_consumers`: iterative, so graph depth is
     limited only by memory. A leaf receives its summed gradient (and fires its hooks) when its
-    last consumer has run.
+    last consumer has run. With ``per_node``, each node's device is made current before its
+    backward runs (for graphs that may span devices).
     """
     consumers = _count_consumers(root_fn)
     grads: _Waiting = {id(root_fn): (seed, seed_owned)}
@@ -148,6 +167,8 @@ def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: boo
             shared = None
         else:
             g, g_owned = entry
+            if per_node is not None and not fn.moves_device:  # (a move picks its devices)
+                per_node.use(_node_device(inputs))
             result = fn.backward(g)
             if not isinstance(result, tuple):
                 result = (result,)
@@ -200,6 +221,14 @@ def _run_graph(root_fn: Function, seed: Any, seed_owned: bool, retain_graph: boo
                     done = grads.pop(key, None)
                     if done is not None:
                         _accumulate(t, done[0], done[1])
+
+
+def _node_device(inputs: tuple[Tensor | None, ...]) -> Device | None:
+    """The device a node ran on: its inputs' (one device: ``Function.apply`` checks it)."""
+    for t in inputs:
+        if t is not None:
+            return t._device
+    return None
 
 
 def _count_consumers(root_fn: Function) -> dict[int, int]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _autograd, _backward
 from ._device import CPU, Device, device_of, is_device_spec
+from ._device_guard import DeviceGuard, on_device
 from ._dtype import SUPPORTED, is_floating, normalize_dtype
 from ._tensor_ops import Scalar, TensorOps
 
@@ -404,14 +405,15 @@ class Tensor(TensorOps):
         """Assign into a region (not differentiable; refused on tensors that require grad)."""
         self._check_inplace("__setitem__")
         v = _value_on(value, self._device)
-        self._data[_mv.normalize_index(index, self._device)] = v
+        # On the tensor's GPU, whichever is current (a scatter or fill kernel; _device_guard).
+        on_device(self._device, self._data.__setitem__, _mv.normalize_index(index, self._device), v)
 
     def copy_(self, src: Tensor | Any) -> Tensor:
         """Copy ``src`` (broadcast to this shape, cast, moved to this device) into this tensor."""
         self._check_inplace("copy_")
         data = _value_on(src, self._device)
         try:
-            self._data[...] = data
+            on_device(self._device, self._data.__setitem__, Ellipsis, data)
         except ValueError as exc:
             raise ValueError(
                 f"copy_: source of shape {tuple(getattr(data, 'shape', ()))} cannot be "
@@ -422,7 +424,7 @@ class Tensor(TensorOps):
     def fill_(self, value: Scalar) -> Tensor:
         """Set every element to ``value``."""
         self._check_inplace("fill_")
-        self._data.fill(value)
+        on_device(self._device, self._data.fill, value)
         return self
 
     def zero_(self) -> Tensor:
@@ -441,7 +443,7 @@ class Tensor(TensorOps):
                 f"and {other._device}"
             )
         o = other._data if isinstance(other, Tensor) else other
-        return Tensor._wrap(op(self._data, o), self._device)
+        return Tensor._wrap(on_device(self._device, op, self._data, o), self._device)
 
     def __lt__(self, other: Any) -> Tensor:
         return self._compare(other, lambda a, b: a < b)
@@ -464,7 +466,7 @@ class Tensor(TensorOps):
     __hash__ = object.__hash__  # defining __eq__ would otherwise make tensors unhashable
 
     def __invert__(self) -> Tensor:
-        return Tensor._wrap(~self._data, self._device)
+        return Tensor._wrap(on_device(self._device, self._data.__invert__), self._device)
 
     def __and__(self, other: Any) -> Tensor:
         return self._compare(other, lambda a, b: a & b)
@@ -474,21 +476,23 @@ class Tensor(TensorOps):
 
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
         """Indices of the maxima (not differentiable)."""
-        out = self._data.argmax(axis=axis, keepdims=keepdims)
+        data = self._data
+        out = on_device(self._device, lambda: data.argmax(axis=axis, keepdims=keepdims))
         return Tensor._wrap(out, self._device)
 
     def argmin(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
         """Indices of the minima (not differentiable)."""
-        out = self._data.argmin(axis=axis, keepdims=keepdims)
+        data = self._data
+        out = on_device(self._device, lambda: data.argmin(axis=axis, keepdims=keepdims))
         return Tensor._wrap(out, self._device)
 
     def any(self) -> Tensor:
         """True if any element is true (not differentiable)."""
-        return Tensor._wrap(self._data.any(), self._device)
+        return Tensor._wrap(on_device(self._device, self._data.any), self._device)
 
     def all(self) -> Tensor:
         """True if all elements are true (not differentiable)."""
-        return Tensor._wrap(self._data.all(), self._device)
+        return Tensor._wrap(on_device(self._device, self._data.all), self._device)
 
     # ------------------------------------------------------------------ Python protocols
     def __len__(self) -> int:
@@ -534,14 +538,16 @@ def _clear_grads(tensors: Iterable[Tensor], set_to_none: bool) -> None:
 
     The one implementation of ``Module.zero_grad`` and ``Optimizer.zero_grad``.
     """
-    for t in tensors:
-        grad = t._grad
-        if grad is None:
-            continue
-        if set_to_none:
-            t._grad = None
-        else:
-            grad._data[...] = 0
+    with DeviceGuard() as guard:
+        for t in tensors:
+            grad = t._grad
+            if grad is None:
+                continue
+            if set_to_none:
+                t._grad = None
+            else:
+                guard.use(grad._device)  # zeroed on its GPU, whichever is current
+                grad._data[...] = 0
 
 
 from . import _ops_elementwise as _ew  # noqa: E402

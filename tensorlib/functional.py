@@ -58,9 +58,9 @@ def _check_on_device(mask: Callable[[], Any], like: Tensor, message: str) -> Non
     for an earlier check whose count has arrived (see :func:`check_indices`)."""
     if like.device.type != "cuda" or os.environ.get(_CHECK_ENV, "") != "1":
         return
-    bad = mask()
     cp = like.device.xp
-    with like.device:
+    with like.device:  # the mask too: on like's GPU, whichever is current
+        bad = mask()
         count = bad.astype(cp.int64).sum().reshape(1)
         mem = cp.cuda.alloc_pinned_memory(8)
         host = np.frombuffer(mem, dtype=np.int64, count=1)

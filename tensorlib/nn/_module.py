@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._device import Device, is_device_spec
+from .._device_guard import on_device
 from .._dtype import is_floating
 from .._tensor import Tensor, _clear_grads
 
@@ -261,7 +262,8 @@ class Module:
                 if isinstance(v, Tensor)
                 else Tensor(v, dtype=t.dtype, device=t.device)
             )
-            t._data[...] = src._data
+            # On t's GPU, whichever is current: CuPy copies on the current one.
+            on_device(t._device, t._data.__setitem__, Ellipsis, src._data)
         return missing
 
     # ------------------------------------------------------------------ calling

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from .._device_guard import on_device
 from .._random import Generator, default_generator
 from .._tensor import Tensor
 
@@ -12,8 +13,13 @@ __all__ = ["normal_", "ones_", "uniform_", "xavier_uniform_", "zeros_"]
 
 def _fill(t: Tensor, host: object) -> Tensor:
     src = Tensor(host, dtype=t.dtype, device=t.device)
-    t._data[...] = src._data
+    _write(t, src._data)
     return t
+
+
+def _write(t: Tensor, value: object) -> None:
+    # On t's GPU, whichever is current: CuPy copies and fills on the current one.
+    on_device(t._device, t._data.__setitem__, Ellipsis, value)
 
 
 def uniform_(
@@ -46,11 +52,11 @@ def xavier_uniform_(t: Tensor, gain: float = 1.0, generator: Generator | None = 
 
 def zeros_(t: Tensor) -> Tensor:
     """Fill ``t`` with zeros."""
-    t._data[...] = 0
+    _write(t, 0)
     return t
 
 
 def ones_(t: Tensor) -> Tensor:
     """Fill ``t`` with ones."""
-    t._data[...] = 1
+    _write(t, 1)
     return t

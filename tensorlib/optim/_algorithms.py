@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._autograd import no_grad
+from .._device_guard import DeviceGuard
 from .._device_kinds import fused_op
 from .._ops_elementwise import xp_of
 from ._optimizer import Optimizer
@@ -76,32 +77,38 @@ class SGD(Optimizer):
     @no_grad()
     def step(self) -> None:
         """Apply one update to every parameter that has a gradient."""
-        for group in self.param_groups:
-            lr, mom, damp = group["lr"], group["momentum"], group["dampening"]
-            wd, nesterov = group["weight_decay"], group["nesterov"]
-            maximize = group.get("maximize", False)
-            for p in group["params"]:
-                if p._grad is None:
-                    continue
-                g = p._grad._data
-                if maximize:
-                    g = -g
-                if wd:
-                    g = g + wd * p._data
-                if mom:
-                    state = self.state.setdefault(p, {})
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = g.copy()
-                        state["momentum_buffer"] = buf
-                    else:
-                        buf *= mom
-                        buf += (1 - damp) * g if damp else g
-                    g = g + mom * buf if nesterov else buf
-                if lr == 1:
-                    p._data -= g
+        with DeviceGuard() as guard:  # each update on its parameter's GPU, whichever is current
+            for group in self.param_groups:
+                self._step_group(group, guard)
+
+    def _step_group(self, group: dict[str, Any], guard: DeviceGuard) -> None:
+        """One group's updates, each with its parameter's GPU made current by ``guard``."""
+        lr, mom, damp = group["lr"], group["momentum"], group["dampening"]
+        wd, nesterov = group["weight_decay"], group["nesterov"]
+        maximize = group.get("maximize", False)
+        for p in group["params"]:
+            if p._grad is None:
+                continue
+            guard.use(p._device)
+            g = p._grad._data
+            if maximize:
+                g = -g
+            if wd:
+                g = g + wd * p._data
+            if mom:
+                state = self.state.setdefault(p, {})
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = g.copy()
+                    state["momentum_buffer"] = buf
                 else:
-                    p._data -= lr * g
+                    buf *= mom
+                    buf += (1 - damp) * g if damp else g
+                g = g + mom * buf if nesterov else buf
+            if lr == 1:
+                p._data -= g
+            else:
+                p._data -= lr * g
 
 
 class Adam(Optimizer):
@@ -152,15 +159,17 @@ class Adam(Optimizer):
         it computes exactly :func:`adam_update` per parameter. Elsewhere (cpu, cuda) each
         parameter is updated here, one after the other.
         """
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p._grad is not None]
-            hyper = self._hyper(group)
-            fused = fused_op(params[0]._data, "adam") if params else None
-            if fused is not None and all(fused_op(p._data, "adam") is fused for p in params):
-                fused([self._prepare(p, group) for p in params], **hyper)
-                continue
-            for p in params:
-                adam_update(*self._prepare(p, group), **hyper)
+        with DeviceGuard() as guard:  # each update on its parameter's GPU, whichever is current
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p._grad is not None]
+                hyper = self._hyper(group)
+                fused = fused_op(params[0]._data, "adam") if params else None
+                if fused is not None and all(fused_op(p._data, "adam") is fused for p in params):
+                    fused([self._prepare(p, group) for p in params], **hyper)
+                    continue
+                for p in params:
+                    guard.use(p._device)  # the state is made there too (zeros_like)
+                    adam_update(*self._prepare(p, group), **hyper)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         b1, b2 = group["betas"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .._device_guard import DeviceGuard
 from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Optimizer"]
@@ -79,15 +80,17 @@ class Optimizer:
             entry["params"] = ids
             groups.append(entry)
         state = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p in self.state:
-                    # Copy the arrays: `step` is an int copied by value, so live arrays would
-                    # pair step t with moments that later steps keep updating in place.
-                    state[index[id(p)]] = {
-                        k: v.copy() if hasattr(v, "shape") and hasattr(v, "copy") else v
-                        for k, v in self.state[p].items()
-                    }
+        with DeviceGuard() as guard:  # CuPy copies onto the current GPU: make it p's
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p in self.state:
+                        guard.use(p._device)
+                        # Copy the arrays: `step` is an int copied by value, so live arrays
+                        # would pair step t with moments that later steps update in place.
+                        state[index[id(p)]] = {
+                            k: v.copy() if hasattr(v, "shape") and hasattr(v, "copy") else v
+                            for k, v in self.state[p].items()
+                        }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -119,28 +122,39 @@ class Optimizer:
             if key not in by_index:
                 raise ValueError(f"optimizer state_dict has state for unknown parameter {key}")
             p = by_index[key]
-            converted: dict[str, Any] = {}
-            for name, value in entry.items():
-                if (
-                    isinstance(value, Tensor)
-                    or hasattr(value, "__array_interface__")
-                    or hasattr(value, "__cuda_array_interface__")
-                ):
-                    arr = value if isinstance(value, Tensor) else Tensor(value)
-                    if arr.ndim and arr.shape != p.shape:
-                        raise ValueError(
-                            f"optimizer state {name!r} of parameter {key} has shape {arr.shape}, "
-                            f"the parameter has {p.shape}"
-                        )
-                    converted[name] = arr.detach().to(p.device, dtype=p.dtype)._data.copy()
-                else:
-                    converted[name] = value
-            new_state[p] = converted
+            new_state[p] = _state_on(p, key, entry)
         for saved, own in zip(groups, self.param_groups, strict=True):
             for k, v in saved.items():
                 if k != "params":
                     own[k] = tuple(v) if isinstance(v, list) else v
         self.state = new_state
+
+
+def _state_on(p: Tensor, key: int, entry: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's saved state with its arrays copied onto ``p``'s device and dtype.
+
+    Raises:
+        ValueError: for an array whose shape is not the parameter's.
+    """
+    converted: dict[str, Any] = {}
+    with DeviceGuard() as guard:
+        guard.use(p._device)  # CuPy copies onto the current GPU: make it p's
+        for name, value in entry.items():
+            if (
+                isinstance(value, Tensor)
+                or hasattr(value, "__array_interface__")
+                or hasattr(value, "__cuda_array_interface__")
+            ):
+                arr = value if isinstance(value, Tensor) else Tensor(value)
+                if arr.ndim and arr.shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state {name!r} of parameter {key} has shape {arr.shape}, "
+                        f"the parameter has {p.shape}"
+                    )
+                converted[name] = arr.detach().to(p.device, dtype=p.dtype)._data.copy()
+            else:
+                converted[name] = value
+    return converted
 
 
 class _Required:
