@@ -25,11 +25,13 @@ class CollectiveTensor:
 
     __slots__ = ("_call", "_context", "_device", "_index", "_result")
 
-    def __init__(self, context: DistributedContext, call: _Call, index: int) -> None:
+    def __init__(
+        self, context: DistributedContext, call: _Call, index: int, device: Device | None = None
+    ) -> None:
         self._context = context
         self._call = call
         self._index = index
-        self._device = context.devices[index]
+        self._device = context.devices[index] if device is None else device
         self._result: Tensor | None = None
 
     @property
@@ -138,10 +140,11 @@ def all_reduce(
             f"all_reduce: expected a tensorlib Tensor on one of the context's devices, got "
             f"{type(tensor).__name__}"
         )
-    context, index = context_of(devices, tensor._device, _OP)
+    device = tensor._device
+    context, index = context_of(devices, device, _OP)
     if type(op) is ReduceOperation:
         reduction = op
     else:
         reduction = context.default_op if op is None else reduce_op_of(op)
     call = context.submit(index, tensor.data, reduction, _OP)
-    return CollectiveTensor(context, call, index)
+    return CollectiveTensor(context, call, index, device)

@@ -55,7 +55,9 @@ def context_of(devices: Any, device: Device, op: str) -> tuple[DistributedContex
     ctx = _OPEN.get(id(device))
     # The per-call path: the context's own device list (or a copy of it, in its order).
     if ctx is not None and (
-        devices is None or (isinstance(devices, list | tuple) and tuple(devices) == ctx._devices)
+        devices is None
+        or (type(devices) is list and devices == ctx._device_list)
+        or (isinstance(devices, list | tuple) and tuple(devices) == ctx._devices)
     ):
         return ctx, ctx._index[id(device)]
     return _context_slow(devices, device, op, ctx)
@@ -173,6 +175,7 @@ class DistributedContext:
                 f"{type(config).__name__}"
             )
         self._devices = devs
+        self._device_list = list(devs)  # context_of compares a list to it without a copy
         self._index = {id(d): i for i, d in enumerate(devs)}
         self._config = config
         self._names = ", ".join(str(d) for d in devs)
@@ -180,7 +183,9 @@ class DistributedContext:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0  # threads waiting on the condition (notify only when some are)
-        self._ops = {id(r) for r in ReduceOperation if r.op in self._engine.ops}
+        # id(ReduceOperation) -> its ReduceOp, for the ops the engine has (by identity: an
+        # Enum's hash and its ``op`` property are Python-level calls, and submit runs per call).
+        self._ops = {id(r): r.op for r in ReduceOperation if r.op in self._engine.ops}
         self._launch = threading.Lock()  # one launch at a time: engines are not re-entrant
         self._next = [0] * len(devs)
         self._calls: dict[int, _Call] = {}  # calls some but not every device submitted
@@ -289,7 +294,8 @@ class DistributedContext:
             CollectiveMismatchError: the devices' calls disagree (the context is then broken).
             CollectiveError: the context is closed or broken, or the engine failed.
         """
-        if id(reduction) not in self._ops:
+        op = self._ops.get(id(reduction))
+        if op is None:
             supported = [r.name for r in ReduceOperation if r.op in self._engine.ops]
             raise self.error(
                 CollectiveError,
@@ -311,7 +317,7 @@ class DistributedContext:
             self._next[index] = seq + 1
             sig = (array.shape, array.dtype, reduction)
             if call.signature is None:
-                call.signature, call.op = sig, reduction.op
+                call.signature, call.op = sig, op
             elif sig != call.signature:
                 first = next(i for i, a in enumerate(call.arrays) if a is not None)
                 detail = (

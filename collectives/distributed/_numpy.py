@@ -1,10 +1,11 @@
 """The context engine of logical CPU devices: the reduction in host memory, in device order.
 
-The first device's output is reduced into by :func:`~collectives.backends._reduce.
-reduce_in_order` (the same in-order reduction as the cpu backend and the threads NumPy
-engine, so the bits match theirs); every other device gets a copy of it, since logical CPU
-devices own separate arrays. The reduction runs in the thread that submitted the last
-device's call and is complete when it returns. Large outputs are recycled (:class:`_Pool`).
+Every device's output is written by :func:`~collectives.backends._reduce.reduce_to_all`: the
+in-order reduction of the cpu backend and the threads NumPy engine (so the bits match
+theirs), each block reduced once and written to every device's output while in cache (logical
+CPU devices own separate arrays), large ones on every core. The reduction runs in the thread
+that submitted the last device's call and is complete when it returns. Large outputs are
+recycled (:class:`_Pool`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._types import ReduceOp
-from ..backends._reduce import UFUNCS, reduce_in_order
+from ..backends._reduce import UFUNCS, reduce_to_all
 from ._config import DistributedConfig
 
 __all__ = ["NumpyContextEngine"]
@@ -23,6 +24,8 @@ __all__ = ["NumpyContextEngine"]
 
 class _Done:
     """A completion that is complete from the start (the reduction ran synchronously)."""
+
+    __slots__ = ("outputs",)
 
     def __init__(self, outputs: list[Any]) -> None:
         self.outputs = outputs
@@ -90,15 +93,13 @@ class NumpyContextEngine:
     def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> _Done:
         first = arrays[0]
         shape, dtype = first.shape, first.dtype
-        take = self._pool.take
-        out = take(0, shape, dtype)
-        reduce_in_order(out, arrays, op, self.size)
         # One array per device: a later in-place write on one device must not show on another.
-        outputs = [out]
-        for i in range(1, self.size):
-            copy = take(i, shape, dtype)
-            np.copyto(copy, out)
-            outputs.append(copy)
+        if first.nbytes < _POOL_MIN_BYTES:
+            outputs = [np.empty(shape, dtype) for _ in arrays]  # as take() would, sooner
+        else:
+            take = self._pool.take
+            outputs = [take(i, shape, dtype) for i in range(self.size)]
+        reduce_to_all(outputs, arrays, op, self.size, parallel=True)
         return _Done(outputs)
 
     def close(self) -> None:

@@ -9,10 +9,14 @@ The rest of the suite runs the cpu pools on the default path (the helper, when b
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import collectives.backends
@@ -173,3 +177,97 @@ def test_mismatch_fails_every_rank_in_python(pools: list[RankPool], kind: str) -
     got = results(pool.call("bodies:mismatch", {"kind": kind}, deadline=30, grace=None))
     for after in expect.mismatched(got, kind, 10.0):
         assert "unusable" in after["message"], after
+
+
+# ---------------------------------------------------------------------------- the worker pool
+def _pool_tasks() -> int:
+    """The threads of this process that are the helper's pool workers (by their name)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "dpt-reduce"
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return count
+
+
+def _many_call(cshm: Any, seed: int, workers: int) -> bool:
+    """One reduction of three 1 MiB float32 arrays into two outputs on ``workers`` threads;
+    whether it gave the one-output loop's bits."""
+    rng = np.random.default_rng(seed)
+    src = [rng.standard_normal(262_147).astype(np.float32) for _ in range(3)]
+    want = np.empty_like(src[0])
+    cshm.reduce_into(0, False, want, src)
+    outs = [np.empty_like(want) for _ in range(2)]
+    cshm.reduce_into_many(0, False, outs, src, 0, want.size, workers, False)
+    return all(o.tobytes() == want.tobytes() for o in outs)
+
+
+@needs_helper
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_pool_starts_on_first_use_and_stops_without_leaving_a_thread() -> None:
+    cshm = _cpu_sync.native_module()
+    cshm.pool_stop()
+    assert cshm.pool_threads() == 0 and _pool_tasks() == 0
+    assert _many_call(cshm, 1, 1) and cshm.pool_threads() == 0  # one thread: no pool
+    assert _many_call(cshm, 2, 3)
+    assert cshm.pool_threads() == 2 and _pool_tasks() == 2
+    assert _many_call(cshm, 3, 2) and cshm.pool_threads() == 2  # never more than asked once
+    cshm.pool_stop()
+    assert cshm.pool_threads() == 0 and _pool_tasks() == 0
+    assert _many_call(cshm, 4, 3) and _pool_tasks() == 2  # and it starts again
+    cshm.pool_stop()
+    assert _pool_tasks() == 0
+
+
+@needs_helper
+def test_calls_from_many_threads_at_once_share_or_skip_the_pool() -> None:
+    """One call uses the pool at a time; the others run on their own threads meanwhile."""
+    cshm = _cpu_sync.native_module()
+    ok: list[bool] = []
+
+    def body(seed: int) -> None:
+        ok.extend(_many_call(cshm, seed * 100 + k, 3) for k in range(8))
+
+    threads = [threading.Thread(target=body, args=(s,), daemon=True) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    assert ok == [True] * 32
+    cshm.pool_stop()
+
+
+@needs_helper
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_starts_its_own_pool() -> None:
+    """The parent's workers do not exist in a child: it starts with none and makes its own."""
+    cshm = _cpu_sync.native_module()
+    assert _many_call(cshm, 5, 3) and cshm.pool_threads() == 2
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on
+        good = cshm.pool_threads() == 0 and _many_call(cshm, 6, 3) and cshm.pool_threads() == 2
+        cshm.pool_stop()
+        os._exit(0 if good else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _many_call(cshm, 7, 3)
+    cshm.pool_stop()
+
+
+@needs_helper
+def test_the_interpreter_exits_with_the_pool_running() -> None:
+    """Workers sleeping or spinning at exit: atexit ends them, the process exits at once."""
+    code = (
+        "import numpy as np\n"
+        "from collectives import ReduceOp\n"
+        "from collectives.backends._reduce import reduce_to_all\n"
+        "src = [np.ones(1 << 20, np.float32) for _ in range(2)]\n"
+        "outs = [np.empty_like(src[0]) for _ in range(2)]\n"
+        "reduce_to_all(outs, src, ReduceOp.SUM, 2, parallel=True)\n"
+        "assert all((o == 2).all() for o in outs)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()

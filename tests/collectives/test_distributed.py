@@ -396,3 +396,27 @@ def test_large_results_are_recycled_only_once_nothing_holds_them() -> None:
         again = step(7.0)
         assert {t.data.ctypes.data for t in again} <= seen, "dropped results were not reused"
         assert np.all(again[0].numpy() == 14.0) and np.all(kept[0].numpy() == 2.0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("op", OPS, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "uint8", "float16"])
+def test_large_calls_reduce_on_every_core_with_the_same_bits(
+    n: int, op: ReduceOperation, dtype: str
+) -> None:
+    """Past the size where the helper's worker threads share the reduction (uneven chunks),
+    and in the compiled loops' absence (float16, float min/max): the in-order bits on every
+    device, each device its own array; a non-contiguous input goes through NumPy alike."""
+    devs = _devices(n)
+    local = _local(devs, dtype, (1001, 263))
+    with DistributedContext(devs):
+        reduced = [p.resolve() for p in [all_reduce(t, op, devs) for t in local]]
+        strided = [tl.from_array(t.numpy().T, t.device) for t in local]  # F-order views
+        again = [p.resolve() for p in [all_reduce(t, op, devs) for t in strided]]
+    want = _expected(local, op)
+    for r, a in zip(reduced, again, strict=True):
+        assert r.numpy().tobytes() == want.tobytes(), (n, op, dtype)
+        assert np.array_equal(a.numpy(), want.T), (n, op, dtype)
+    assert not any(
+        np.shares_memory(x.data, y.data) for i, x in enumerate(reduced) for y in reduced[i + 1 :]
+    )

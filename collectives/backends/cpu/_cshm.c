@@ -447,6 +447,12 @@ static PyObject *cshm_reduce_into(PyObject *self, PyObject *const *args, Py_ssiz
 static PyMethodDef module_methods[] = {
     {"reduce_into", (PyCFunction)(void (*)(void))cshm_reduce_into, METH_FASTCALL,
      "reduce_into(code, avg, out, sources): out = sources reduced in order, compiled."},
+    {"reduce_into_many", (PyCFunction)(void (*)(void))cshm_reduce_into_many, METH_FASTCALL,
+     "reduce_into_many(code, avg, outs, sources, lo, hi, workers, stream): items [lo, hi) of "
+     "every output = sources reduced in order, compiled, on up to ``workers`` threads."},
+    {"pool_stop", cshm_pool_stop, METH_NOARGS, "pool_stop(): end the pool's worker threads."},
+    {"pool_threads", cshm_pool_threads, METH_NOARGS,
+     "pool_threads() -> int: the pool's worker threads now."},
     {NULL, NULL, 0, NULL},
 };
 

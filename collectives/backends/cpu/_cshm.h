@@ -87,4 +87,9 @@ HIDDEN PyObject *Sync_begin_rounds(SyncObject *s, PyObject *const *args, Py_ssiz
 HIDDEN PyObject *Sync_zero_copy(SyncObject *s, PyObject *const *args, Py_ssize_t nargs);
 HIDDEN PyObject *Sync_begin_zero_copy(SyncObject *s, PyObject *const *args, Py_ssize_t nargs);
 
+/* _cshm_many.c: the reduction into several outputs and its worker pool (see there). */
+HIDDEN PyObject *cshm_reduce_into_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+HIDDEN PyObject *cshm_pool_stop(PyObject *self, PyObject *unused);
+HIDDEN PyObject *cshm_pool_threads(PyObject *self, PyObject *unused);
+
 #endif

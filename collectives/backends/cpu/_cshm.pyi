@@ -91,3 +91,27 @@ class Sync:
 def reduce_into(code: int, avg: bool, out: Any, sources: Any, /) -> None:
     """``out = sources[0] op sources[1] op ...`` with the compiled loop of ``code`` (GIL
     released); C-contiguous buffers of one size, 2 to 64 sources."""
+
+def reduce_into_many(
+    code: int,
+    avg: bool,
+    outs: Any,
+    sources: Any,
+    lo: int,
+    hi: int,
+    workers: int,
+    stream: bool,
+    /,
+) -> bool:
+    """Items ``[lo, hi)`` of every output = ``sources[0] op sources[1] op ...`` with the
+    compiled loop of ``code``, each block reduced once and written to every output (GIL
+    released), on up to ``workers`` threads (this one and the pool's); streaming stores to
+    outputs that are no source when ``stream``. 1-64 outputs, 2-64 sources, one size; an
+    output is a source itself or overlaps none. False (nothing written) when some array is
+    not C-contiguous or of another item format."""
+
+def pool_stop() -> None:
+    """End the pool's worker threads (a later call asking for more than one starts them)."""
+
+def pool_threads() -> int:
+    """How many worker threads the pool has now."""

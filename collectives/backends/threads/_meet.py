@@ -154,8 +154,10 @@ class Meeting:
 
         With ``finish``, the last member to arrive calls ``finish(items)`` before it releases
         the others (only when the records agree): a small collective done by one thread in
-        one step costs one wake-up instead of a barrier per step. It must be short (it runs
-        under the meeting's lock); an error it raises fails the call on every member.
+        one step costs one wake-up instead of a barrier per step. It runs under the meeting's
+        lock, which is harmless then (every member has arrived and waits for it; a large
+        all-reduce spreads its work over the cpu helper's worker threads meanwhile); an error
+        it raises fails the call on every member.
         """
         sig = record_bytes(req.signature, req.seq)
         with self._cond:
