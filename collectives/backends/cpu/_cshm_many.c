@@ -131,7 +131,6 @@ static void run_chunks(char *scratch) {
 /* ---------------------------------------------------------------------------- the pool */
 static void *worker(void *arg) {
     char *scratch = arg;
-    pthread_setname_np(pthread_self(), "dpt-reduce"); /* in top -H, gdb, /proc: whose it is */
     for (;;) {
         uint32_t seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
         run_chunks(scratch);
@@ -184,6 +183,9 @@ static void pool_grow(int want) {
             free(scratch);
             break;
         }
+        /* Named here, before the call returns, not by the worker itself: whoever looks (top -H,
+         * gdb, /proc) right after the first parallel call sees every worker by its name. */
+        pthread_setname_np(P.th[P.threads], "dpt-reduce");
         P.threads++;
     }
     pthread_attr_destroy(&attr);
