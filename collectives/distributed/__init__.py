@@ -24,6 +24,7 @@ from ._collective import CollectiveTensor, all_reduce
 from ._config import DEFAULT_TIMEOUT_S, DistributedConfig, ReduceOperation, reduce_op_of
 from ._context import DistributedContext
 from ._engines import (
+    Completed,
     Completion,
     ContextEngine,
     ContextEngineSpec,
@@ -46,6 +47,7 @@ register_context_engine(
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "CollectiveTensor",
+    "Completed",
     "Completion",
     "ContextEngine",
     "ContextEngineSpec",

@@ -27,6 +27,7 @@ from .._types import ReduceOp
 from ._config import DistributedConfig
 
 __all__ = [
+    "Completed",
     "Completion",
     "ContextEngine",
     "ContextEngineSpec",
@@ -54,6 +55,25 @@ class Completion(Protocol):
                 says which devices and why).
         """
         ...
+
+
+class Completed:
+    """A :class:`Completion` that is complete from the start: the engine's outputs are usable
+    at once (the NumPy engine reduced synchronously; a remote session orders every later read
+    after its record)."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = outputs
+
+    def done(self) -> bool:
+        """Always True."""
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Nothing to wait for."""
+        return None
 
 
 class ContextEngine(Protocol):

@@ -18,23 +18,9 @@ import numpy as np
 from .._types import ReduceOp
 from ..backends._reduce import UFUNCS, reduce_to_all
 from ._config import DistributedConfig
+from ._engines import Completed
 
 __all__ = ["NumpyContextEngine"]
-
-
-class _Done:
-    """A completion that is complete from the start (the reduction ran synchronously)."""
-
-    __slots__ = ("outputs",)
-
-    def __init__(self, outputs: list[Any]) -> None:
-        self.outputs = outputs
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> None:
-        return None
 
 
 def _pool_only_refcount() -> int:
@@ -90,7 +76,7 @@ class NumpyContextEngine:
         self.size = len(devices)
         self._pool = _Pool()
 
-    def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> _Done:
+    def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> Completed:
         first = arrays[0]
         shape, dtype = first.shape, first.dtype
         # One array per device: a later in-place write on one device must not show on another.
@@ -100,7 +86,7 @@ class NumpyContextEngine:
             take = self._pool.take
             outputs = [take(i, shape, dtype) for i in range(self.size)]
         reduce_to_all(outputs, arrays, op, self.size, parallel=True)
-        return _Done(outputs)
+        return Completed(outputs)
 
     def close(self) -> None:
         self._pool.clear()

@@ -22,7 +22,7 @@ import secrets
 from typing import Any
 
 from collectives import ReduceOp
-from collectives.distributed import DistributedConfig, register_context_engine
+from collectives.distributed import Completed, DistributedConfig, register_context_engine
 
 from .._wire import KINDS, OP_CODES, REDUCE_OPS
 from ._array import RemoteArray
@@ -38,19 +38,6 @@ _OPS = frozenset(op for op in ReduceOp if op.value in REDUCE_OPS)
 
 def _server_of(device: Any) -> str:
     return str(device)[len("remote://") :].rsplit("/", 1)[0]
-
-
-class _Issued:
-    """A completion that is done at once: each session orders its later reads after it."""
-
-    def __init__(self, outputs: list[Any]) -> None:
-        self.outputs = outputs
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> None:
-        return None
 
 
 class RemoteContextEngine:
@@ -97,7 +84,7 @@ class RemoteContextEngine:
         self._key = (key >> 64) - (1 << 63), (key & ((1 << 64) - 1)) - (1 << 63)  # two i64
         self._closed = False
 
-    def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> _Issued:
+    def all_reduce(self, arrays: list[Any], op: ReduceOp, seq: int) -> Completed:
         """Queue call ``seq``'s COLLECTIVE record on every device's session; the outputs are
         new arrays, one on each input's device.
 
@@ -129,7 +116,7 @@ class RemoteContextEngine:
             # Member 0's worker waits on the server for the others: never hold a record back.
             sess.flush()
             outputs.append(out)
-        return _Issued(list(outputs))
+        return Completed(list(outputs))
 
     def close(self) -> None:
         """Forget the sessions (idempotent; they stay open for the devices' other use)."""
