@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -316,9 +318,12 @@ def _launch_local(
                 [sys.executable, *argv], env=e, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log
             )
         )
-    codes = [p.wait(timeout=3600) for p in procs]
+    codes = _wait_all_or_first_failure(procs)
     why = None
-    for r, (code, log) in enumerate(zip(codes, logs, strict=True)):
+    # Ranks killed above (-SIGKILL) come after the rank that failed by itself.
+    order = sorted(range(nproc), key=lambda r: codes[r] == -signal.SIGKILL)
+    for r in order:
+        code, log = codes[r], logs[r]
         if code != 0 and why is None:
             tail = ""
             if log is not None:
@@ -329,6 +334,20 @@ def _launch_local(
         if log is not None:
             log.close()
     return why
+
+
+def _wait_all_or_first_failure(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Every rank's exit code. When one fails, the rest are killed rather than waited on:
+    they would block on the failed rank (its store, its collectives) until their timeouts."""
+    deadline = time.monotonic() + 3600
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
 
 
 if __name__ == "__main__":

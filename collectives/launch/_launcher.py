@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -78,10 +79,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago, for rank 0's store (``MASTER_PORT``).
 
     ``collectives.run`` and ``spawn`` call it when no port is given; code that starts ranks of
-    its own (benchmarks, tests) uses it as ``from collectives.run import free_port``. It binds
-    port 0, reads the port the kernel chose and closes the socket, so another process may take
-    the port before the store binds it: that race is rare and gives a clear "address in use"
-    error from the store, not a hang.
+    its own (benchmarks, tests) uses it as ``from collectives.run import free_port``.
+
+    The port is drawn at random from outside the kernel's ephemeral range
+    (``net.ipv4.ip_local_port_range``) and checked free by binding it. A port the kernel hands
+    out itself (port 0) is the one the next outgoing connection on this host may take before
+    the store binds it, which happened under a parallel test run; outside that range only
+    another explicit bind can take it. If no such port is found, the kernel's choice is used.
 
     Args:
         host: the address the store will listen on.
@@ -89,9 +93,39 @@ def free_port(host: str = "127.0.0.1") -> int:
     Returns:
         The port number.
     """
+    lo, hi = _ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST_PICKED_PORT, lo - 1), (hi + 1, 65535)) if a <= b]
+    total = sum(b - a + 1 for a, b in spans)
+    for _ in range(64 if total else 0):
+        k = secrets.randbelow(total)  # not `random`: forked callers would share its state
+        for a, b in spans:
+            if k <= b - a:
+                port = a + k
+                break
+            k -= b - a + 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Below this, well-known services (databases, web servers) are likelier to come and go.
+_LOWEST_PICKED_PORT = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself; Linux's default if unreadable."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return lo, hi
 
 
 def rank_env(

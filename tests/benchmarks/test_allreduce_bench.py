@@ -308,6 +308,20 @@ def test_mpi_backend_inside_mpiexec_ranks() -> None:
     assert [int(r[0]) for r in rows] == [64, 256, 1024] and all(r[8] == "0" for r in rows)
 
 
+@pytest.mark.timeout(60)
+def test_one_failed_rank_ends_the_others_at_once() -> None:
+    # A rank that fails early (CI: its store's port taken) left the other waiting for that
+    # store until the test's timeout; the benchmark now kills the rest and reports the first.
+    code = "import sys, time; sys.exit(3) if sys.argv[1] == '0' else time.sleep(120)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)]) for r in range(2)]
+    try:
+        codes = ab._wait_all_or_first_failure(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [3, -9]
+
+
 @pytest.mark.timeout(120)
 def test_missing_peer_is_skipped_with_reason() -> None:
     missing = [e for e in ("gloo", "mpi4py") if _probe(e) is not None]

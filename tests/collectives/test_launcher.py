@@ -20,6 +20,7 @@ from types import TracebackType
 import pytest
 
 from collectives import _errorfile
+from collectives.launch import _launcher
 from collectives.launch._launcher import describe_exit, exit_status, gpu_assignment
 from collectives.run import parse_args
 
@@ -110,6 +111,18 @@ def wait_for(*names, timeout=20.0):
             sys.exit("timed out waiting for " + repr(names))
         time.sleep(0.01)
 """
+
+
+def test_free_port_is_outside_the_kernels_own_range() -> None:
+    # The kernel hands ports in its ephemeral range to every outgoing connection; a port
+    # picked from there was taken before rank 0's store bound it, in a parallel CI run.
+    lo, hi = _launcher._ephemeral_range()
+    ports = {_launcher.free_port() for _ in range(50)}
+    assert not any(lo <= p <= hi for p in ports), sorted(ports)
+    assert len(ports) > 40  # drawn at random, so concurrent callers rarely meet
+    for port in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # it is free
 
 
 # ---------------------------------------------------------------------- end to end
