@@ -317,3 +317,14 @@ def test_amp_mode_and_its_errors() -> None:
         create_supervised_trainer(model, None, F.cross_entropy, scaler=True)
     with pytest.raises(ValueError, match="strictly positive"):
         create_supervised_trainer(model, None, F.cross_entropy, gradient_accumulation_steps=0)
+
+
+def test_the_epoch_benchmark_trains_alike_and_prints_each_row(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks.engine_epoch import main
+
+    assert main(["--samples", "64", "--batch", "16", "--epochs", "1", "--runs", "1"]) == 0
+    out = capsys.readouterr().out  # main exits if a row trains to other parameters
+    for row in ("hand loop", "create_supervised_trainer", "+ 2 handlers"):
+        assert row in out, out
