@@ -13,6 +13,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
+import numpy as np
+
 import collectives
 import tensorlib as tl
 from tensorlib import nn, optim
@@ -127,15 +129,29 @@ def auto_dataloader(
     drop_last: bool = False,
     seed: int = 0,
     device: str | tl.Device | None = None,
+    even_shards: bool | None = None,
 ) -> DataLoader:
     """A :class:`DataLoader` that splits the data and the global batch between the ranks.
 
     ``batch_size`` is the GLOBAL batch. At world size N > 1 each rank gets a
-    :class:`DistributedSampler` (its 1/N share, padded or, with ``drop_last``, truncated to
-    equal shares) and a per-rank batch of ``batch_size // N``. Global batch ``k`` (the union
-    of every rank's batch ``k``) is then the same set of samples as batch ``k`` of the
-    one-process loader with the same seed, which is what makes N ranks train like one process
-    (only a last, partial global batch differs when the sampler pads).
+    :class:`DistributedSampler` and a per-rank batch of ``batch_size // N``. How the data is
+    split between the ranks (``even_shards``):
+
+    - even shards (for training): every rank gets the same number of samples, padded by
+      repeating the start of the epoch's order or, with ``drop_last``, truncated, so every
+      rank runs the same number of steps (what DDP training needs: each step is a collective
+      backward). A padded sample is seen twice in the epoch.
+    - uneven shards (for evaluation): no padding; rank ``r`` gets positions
+      ``r, r + N, r + 2N, ...`` of the epoch's order, so the ranks see every sample exactly
+      once and some ranks have one sample (hence possibly one batch) more than others. A
+      metric summed over the ranks then equals one process's.
+
+    The default (``even_shards=None``) chooses even shards for a training loader
+    (``shuffle=True`` or ``drop_last=True``) and uneven shards otherwise (``shuffle=False``:
+    an evaluation loader, as Ignite's examples build theirs). Either way global batch ``k``
+    (the union of every rank's batch ``k``) is the same set of samples as batch ``k`` of the
+    one-process loader with the same seed, which is what makes N ranks train like one
+    process; with padded even shards only a last, partial global batch differs.
     At world size 1 it is a plain DataLoader (shuffled with ``shuffle``).
 
     ``batch_size`` must be divisible by N: rounding would silently change the global batch
@@ -147,18 +163,25 @@ def auto_dataloader(
         arrays: same-length arrays, e.g. ``(x, y)``.
         batch_size: the global batch size.
         shuffle: shuffle every epoch (seeded by ``seed + epoch``, identically on every rank).
-        drop_last: drop the tail that does not fill a whole global batch.
+        drop_last: drop the tail that does not fill a whole global batch (the batches kept
+            are then the same with even and uneven shards, so it implies even shards).
         seed: base seed, the same on every rank.
         device: device of the yielded Tensors.
+        even_shards: True: every rank the same number of samples (padded); False: every
+            sample exactly once (ranks may differ by one sample); None: True when
+            ``shuffle`` or ``drop_last``, else False.
 
     Returns:
         The loader.
 
     Raises:
-        ValueError: when ``batch_size`` is not divisible by the world size, and for the
-            DataLoader's own argument errors.
+        TypeError: when ``even_shards`` is not a bool or None.
+        ValueError: when ``batch_size`` is not divisible by the world size, for
+            ``even_shards=False`` with ``drop_last=True``, and for the DataLoader's own
+            argument errors.
     """
     batch_size = check_int("auto_dataloader", "batch_size", batch_size, 1)
+    even = _resolve_even_shards("auto_dataloader", even_shards, shuffle, drop_last)
     world = collectives.get_world_size()
     if world <= 1:
         return DataLoader(
@@ -178,10 +201,39 @@ def auto_dataloader(
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
+        even_shards=even,
     )
     return DataLoader(
         arrays, batch_size // world, sampler=sampler, drop_last=drop_last, device=device
     )
+
+
+def _resolve_even_shards(where: str, even_shards: Any, shuffle: Any, drop_last: Any) -> bool:
+    """Whether :func:`auto_dataloader` gives every rank the same number of samples.
+
+    None chooses even shards for a training loader (``shuffle`` or ``drop_last``) and
+    uneven ones (every sample exactly once) for an evaluation loader.
+
+    Raises:
+        TypeError: when ``even_shards`` is not a bool or None.
+        ValueError: for ``even_shards=False`` with ``drop_last=True``, which contradict.
+    """
+    if even_shards is None:
+        return bool(shuffle) or bool(drop_last)
+    if not isinstance(even_shards, bool | np.bool_):
+        raise TypeError(
+            f"{where}: even_shards must be True (every rank the same number of samples, "
+            "for training), False (every sample exactly once, for evaluation) or None "
+            f"(chosen from shuffle and drop_last), got {even_shards!r}"
+        )
+    if drop_last and not even_shards:
+        raise ValueError(
+            f"{where}: even_shards=False asks for every sample exactly once, but "
+            "drop_last=True drops the tail that does not fill a global batch; for an "
+            "evaluation loader pass drop_last=False, for a training loader even_shards=True "
+            "(or None)"
+        )
+    return bool(even_shards)
 
 
 def one_rank_only(

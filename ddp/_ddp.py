@@ -8,10 +8,21 @@ How it works:
 * The gradients are the :class:`~ddp._reducer.Reducer`'s (``ddp/_reducer.py``): it buckets
   them, starts each bucket's all-reduce as backward fills it, and when ``loss.backward()``
   returns every ``.grad`` holds the average over ranks. The wrapper owns it as ``.reducer``.
-* Before each forward rank 0's buffers are broadcast (``broadcast_buffers``). Under
-  :func:`ddp.join` (``ddp/_join.py``) each forward first tells the other ranks that this rank
-  has data, ranks that ran out shadow the others' collectives, and the buckets are scaled so
-  that they hold the average over the ranks that had data in that step.
+* Buffers (``broadcast_buffers``): rank 0's are broadcast before a forward that follows a
+  synchronizing forward (grad enabled, not under ``no_sync``), and before the first forward;
+  a forward under ``tensorlib.no_grad()`` or ``no_sync`` clears the need for the next one.
+  This is PyTorch's rule (``require_forward_param_sync``, set after each forward; the
+  broadcast happens when it is set, see ``will_sync_module_buffers``). So an evaluation loop
+  under ``no_grad`` broadcasts once, at its first forward (every rank then evaluates rank 0's
+  buffers), and issues no collective after that: ranks may run different numbers of eval
+  batches (uneven shards, ``DistributedSampler(..., even_shards=False)``), as long as every
+  rank runs at least one when the model has buffers.
+* Under :func:`ddp.join` (``ddp/_join.py``) each forward first tells the other ranks that
+  this rank has data, then broadcasts the buffers (every forward, from the lowest rank with
+  data: the join's shadow loop mirrors exactly that); ranks that ran out shadow the others'
+  collectives, and the buckets are scaled so that they hold the average over the ranks that
+  had data in that step. A join block leaves ``require_forward_param_sync`` as it found it,
+  so the ranks agree on it afterwards whatever their numbers of forwards.
 """
 
 from __future__ import annotations
@@ -47,7 +58,8 @@ class DistributedDataParallel(Module):
         find_unused_parameters: allow parameters that get no gradient in a step (their
             contribution is zero; parameters unused on every rank keep ``grad`` None).
             Without it such a parameter is an error, on every rank, naming it.
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        broadcast_buffers: copy rank 0's buffers to every rank before a forward that
+            follows a synchronizing forward (and before the first); see the module docstring.
         comm_hook: ``hook(state, bucket) -> Work`` reducing each bucket (state: the group);
             default :func:`ddp.allreduce_hook`; :func:`ddp.fp16_compress_hook` halves traffic.
 
@@ -88,6 +100,9 @@ class DistributedDataParallel(Module):
         object.__setattr__(module, "_wrapped_by_ddp", True)
         object.__setattr__(self, "process_group", group)
         self.broadcast_buffers = broadcast_buffers
+        # PyTorch's flag: the last forward (outside join) synchronized, so the next one
+        # broadcasts the buffers. True at first, as in PyTorch.
+        self.require_forward_param_sync = True
         named = list(module.named_parameters())
         # Options that decide which collectives DDP issues must agree too: different bucket
         # caps make ranks wait for each other's bucket allocations until the group's timeout.
@@ -216,6 +231,20 @@ class DistributedDataParallel(Module):
             enable=enable,
         )
 
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (a collective every rank issues).
+
+        Outside :func:`ddp.join`: after a synchronizing forward (grad enabled, not under
+        ``no_sync``) and before the first forward (PyTorch's ``will_sync_module_buffers``);
+        under join: at every forward. Always with ``broadcast_buffers``, more than one rank
+        and at least one buffer.
+        """
+        if not self.broadcast_buffers or self.process_group.size <= 1:
+            return False
+        if not any(True for _ in self.module.named_buffers()):
+            return False
+        return self.reducer.join is not None or self.require_forward_param_sync
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         reducer = self.reducer
         if reducer.in_backward:
@@ -224,14 +253,21 @@ class DistributedDataParallel(Module):
                 "backward did not finish synchronizing gradients (did it raise?); the ranks may "
                 "now disagree on the order of collectives"
             )
+        syncing = reducer.require_sync and tl.is_grad_enabled()
+        join = reducer.join
         src = self.process_group.ranks[0]
-        if reducer.join is not None:
+        if join is not None:
             # Tell the ranks that ran out of data what this step does; under join the buffers
             # come from the lowest rank that still has data (a joined rank's are stale).
-            src = reducer.join.notify(sync=reducer.require_sync and tl.is_grad_enabled())
-        if self.broadcast_buffers and self.process_group.size > 1:
+            src = join.notify(sync=syncing)
+        if self.will_sync_module_buffers():
             broadcast_module_buffers(self.process_group, self.module, src)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if join is None:
+            # Set after the forward, as PyTorch's _post_forward does. Under join the flag is
+            # left alone: ranks that ran out made fewer forwards and could not agree on it.
+            self.require_forward_param_sync = syncing
+        return out
 
     # ------------------------------------------------------------------ delegation
     def state_dict(self) -> Any:

@@ -3,9 +3,10 @@
 One implementation: these are Ignite's signatures over ``ddp``'s helpers, which do the work.
 What differs is what Ignite's reference fixes: ``auto_model``'s ``sync_bn``,
 ``auto_dataloader(dataset, **kwargs)`` with torch's DataLoader options (``shuffle`` False by
-default, loader-process options accepted and ignored, a sampler of one's own), ``auto_optim``'s
-Horovod keywords refused, and ``one_rank_only(with_barrier=False)`` by default (``ddp``'s waits
-by default, so that a rank-0 write is on disk before the others go on).
+default, so an evaluation loader sees every sample once; loader-process options accepted and
+ignored, a sampler of one's own), ``auto_optim``'s Horovod keywords refused, and
+``one_rank_only(with_barrier=False)`` by default (``ddp``'s waits by default, so that a
+rank-0 write is on disk before the others go on).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ R = TypeVar("R")
 
 # torch DataLoader options that have no meaning for an in-process loader over arrays.
 _IGNORED = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "timeout")
-_LOADER = ("batch_size", "shuffle", "drop_last", "seed", "device", "sampler")
+_LOADER = ("batch_size", "shuffle", "drop_last", "seed", "device", "even_shards", "sampler")
 
 
 def auto_model(model: nn.Module, sync_bn: bool = False, **kwargs: Any) -> Any:
@@ -70,17 +71,29 @@ def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
     ``batch_size`` is the global batch: each of N ranks gets ``batch_size // N`` per step from
     a :class:`~ddp.DistributedSampler`, so one process and N ranks see the same global batches.
 
+    An evaluation loader (``shuffle=False``, the default, and no ``drop_last``) gives uneven
+    shards: the ranks see every sample exactly once (some have one sample more), so a metric
+    summed over the ranks equals one process's. A training loader (``shuffle=True`` or
+    ``drop_last=True``) gives even shards, padded like PyTorch's sampler, so every rank runs
+    the same number of steps. ``even_shards=True`` or ``False`` asks for either explicitly
+    (see :func:`ddp.auto_dataloader`). Ignite pads in both cases.
+
     Args:
         dataset: same-length arrays, e.g. ``(x, y)`` (what :class:`ddp.DataLoader` takes).
         **kwargs: ``batch_size`` (default 1), ``shuffle`` (default False, as torch's
-            DataLoader), ``drop_last``, ``seed``, ``device``, or ``sampler`` (a
-            ``DistributedSampler`` of your own, used as given with ``batch_size`` per rank);
-            ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor`` and
-            ``timeout`` are accepted and ignored (there are no loader processes).
+            DataLoader), ``drop_last``, ``seed``, ``device``, ``even_shards`` (default None:
+            chosen from ``shuffle`` and ``drop_last``), or ``sampler`` (a
+            ``DistributedSampler`` of your own, used as given with ``batch_size`` per rank;
+            its own ``even_shards`` decides the sharding); ``num_workers``, ``pin_memory``,
+            ``persistent_workers``, ``prefetch_factor`` and ``timeout`` are accepted and
+            ignored (there are no loader processes).
 
     Raises:
-        ValueError: when ``batch_size`` is not divisible by the world size.
-        TypeError: for another keyword argument.
+        ValueError: when ``batch_size`` is not divisible by the world size, for
+            ``even_shards=False`` with ``drop_last=True``, or ``even_shards`` together with
+            ``sampler``.
+        TypeError: for another keyword argument, or an ``even_shards`` that is not a bool
+            or None.
     """
     unknown = sorted(set(kwargs) - set(_LOADER) - set(_IGNORED))
     if unknown:
@@ -91,6 +104,11 @@ def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
     opts = {k: kwargs[k] for k in _LOADER if k in kwargs}
     sampler = opts.pop("sampler", None)
     if sampler is not None:
+        if opts.pop("even_shards", None) is not None:
+            raise ValueError(
+                "idist.auto_dataloader: pass even_shards or sampler, not both: a sampler of "
+                "your own decides the sharding (DistributedSampler(..., even_shards=...))"
+            )
         if not isinstance(sampler, DistributedSampler) and get_world_size() > 1:
             raise TypeError(
                 "idist.auto_dataloader: at world size > 1 a sampler must be a "

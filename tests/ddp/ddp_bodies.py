@@ -25,7 +25,13 @@ import numpy as np
 
 import collectives as C
 import tensorlib as tl
-from ddp import DistributedDataParallel, GradBucket, allreduce_hook, fp16_compress_hook
+from ddp import (
+    DataLoader,
+    DistributedDataParallel,
+    GradBucket,
+    allreduce_hook,
+    fp16_compress_hook,
+)
 from tensorlib import Tensor, nn
 
 try:  # written concurrently; contiguous slices do the same job until it lands
@@ -448,6 +454,63 @@ def buffers(seed: int) -> dict[str, Any]:
             "after_forward": [sorted(set(b.data.ravel().tolist())) for b in model.buffers()],
         }
     return out
+
+
+def eval_uneven(seed: int, n: int) -> dict[str, Any]:
+    """A training step, then an evaluation under ``no_grad`` over unpadded shards (ranks run
+    different numbers of batches), then a metric all-reduce and another training step: every
+    collective after the evaluation must still pair up across the ranks.
+
+    The model has buffers (``broadcast_buffers``), set rank-specific after each phase: the
+    first eval forward broadcasts rank 0's (it follows a synchronizing forward), later eval
+    forwards and the next training forward broadcast nothing (PyTorch's rule)."""
+    group = _group()
+    rank, world = group.rank, group.size
+    model = Net(_widths(2, 4), "float64", seed, buffer=True)
+    ddp = DistributedDataParallel(model)
+    opt = tl.optim.SGD(list(ddp.parameters()), lr=0.1)
+    rng = np.random.default_rng([seed, 11])
+    x = rng.standard_normal((n, D_IN))
+    y = rng.standard_normal((n, D_OUT))
+
+    def train_step() -> None:
+        opt.zero_grad()
+        rows = slice(rank, None, world)  # any same-sized batch per rank
+        _mse(ddp(tl.tensor(x[rows][:2])), tl.tensor(y[rows][:2])).backward()
+        opt.step()
+
+    def set_buffers(value: float) -> None:
+        for b in model.buffers():
+            b.data[...] = value
+
+    train_step()
+    set_buffers(20.0 + rank)  # running statistics drifting apart in training
+    sampler = DistributedSampler(n, shuffle=False, even_shards=False)
+    loader = DataLoader((x, y), batch_size=2, sampler=sampler)
+    seen: list[float] = []
+    sq, count = 0.0, 0
+    with tl.no_grad():
+        for i, (xb, yb) in enumerate(loader):
+            out = ddp(xb)
+            seen.append(float(model.running.data[0]))
+            if i == 0:
+                set_buffers(30.0 + rank)  # a later broadcast would overwrite these
+            sq += float(((out - yb) ** 2).sum().item())
+            count += int(xb.shape[0])
+        # One process's metric over the whole data set, with the same parameters.
+        ref = float(((model(tl.tensor(x)) - tl.tensor(y)) ** 2).sum().item())
+    totals = np.array([sq, float(count)])
+    group.all_reduce(totals, C.ReduceOp.SUM)
+    train_step()  # the ranks are still in lockstep: its gradient all-reduce pairs up
+    return {
+        "batches": len(loader),
+        "seen": seen,
+        "sum_sq": float(totals[0]),
+        "count": int(totals[1]),
+        "ref_sq": ref,
+        "after_train": float(model.running.data[0]),
+        "digest": _digest(model),
+    }
 
 
 # ---------------------------------------------------------------------------- errors

@@ -23,6 +23,7 @@ from ddp._data import DataLoader
 from ddp._ddp import DistributedDataParallel
 from ddp._sampler import DistributedSampler
 from tensorlib import nn, optim
+from tests.collectives.harness import RankPool
 from tests.helpers import DEVICES
 
 
@@ -87,6 +88,103 @@ def test_auto_dataloader_splits_batch_and_data(monkeypatch: pytest.MonkeyPatch) 
         auto_dataloader(arrays(10), batch_size=3)
     with pytest.raises(ValueError, match="same length"):
         auto_dataloader((np.zeros(3), np.zeros(2)), batch_size=4)
+
+
+DIGITS = 1797  # scikit-learn's digits: not a multiple of 2, 3 or 4
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+
+
+def ids(n: int) -> tuple[np.ndarray[Any, Any]]:
+    return (np.arange(n, dtype=np.int64),)
+
+
+def rank_batches(loader: DataLoader) -> list[list[int]]:
+    return [b.tolist() for (b,) in loader]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_uneven_shards_see_every_sample_once_in_the_one_process_batches(
+    monkeypatch: pytest.MonkeyPatch, world: int, shuffle: bool
+) -> None:
+    """Each rank's loader of an N-rank world (faked): together the ranks see each of the 1797
+    samples once, ranks have different numbers of samples and batches (a last partial batch,
+    possibly none), and global batch k is the one-process loader's batch k."""
+    single = auto_dataloader(ids(DIGITS), GLOBAL_BATCH, shuffle=shuffle, seed=4)
+    single.set_epoch(1)
+    expected = rank_batches(single)
+    per_rank = []
+    for rank in range(world):
+        FakeWorld(monkeypatch, size=world, rank=rank)
+        loader = auto_dataloader(
+            ids(DIGITS), GLOBAL_BATCH, shuffle=shuffle, seed=4, even_shards=False
+        )
+        loader.set_epoch(1)
+        per_rank.append(rank_batches(loader))
+        share = len(range(rank, DIGITS, world))
+        if world > 1:
+            assert isinstance(loader.sampler, DistributedSampler)
+            assert len(loader.sampler) == share and not loader.sampler.even_shards
+        assert len(loader) == len(per_rank[-1]) == -(-share // (GLOBAL_BATCH // world))
+    flat = [i for batches in per_rank for b in batches for i in b]
+    assert len(flat) == DIGITS and sorted(flat) == list(range(DIGITS))
+    for k, batch in enumerate(expected):
+        union = [i for batches in per_rank if k < len(batches) for i in batches[k]]
+        assert sorted(union) == sorted(batch), f"global batch {k}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "even"),
+    [
+        ({"shuffle": True}, True),  # a training loader
+        ({"shuffle": False}, False),  # an evaluation loader
+        ({"shuffle": False, "drop_last": True}, True),  # dropping the tail: training
+        ({"shuffle": False, "even_shards": True}, True),  # padded, as PyTorch and Ignite
+        ({"shuffle": True, "even_shards": False}, False),  # shuffled, every sample once
+    ],
+)
+def test_auto_dataloader_picks_the_sharding(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], even: bool
+) -> None:
+    FakeWorld(monkeypatch, size=4, rank=3)
+    loader = auto_dataloader(ids(DIGITS), GLOBAL_BATCH, **kwargs)
+    assert isinstance(loader.sampler, DistributedSampler)
+    assert loader.sampler.even_shards is even
+    # Rank 3 of 4 gets 449 samples unpadded (1797 = 4 * 449 + 1), 450 padded, 449 truncated.
+    want = 449 if not even or kwargs.get("drop_last") else 450
+    assert len(loader.sampler) == want
+
+
+def test_idist_auto_dataloader_picks_the_sharding(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp import idist
+
+    FakeWorld(monkeypatch, size=4, rank=0)
+    evaluation = idist.auto_dataloader(ids(DIGITS), batch_size=GLOBAL_BATCH)  # shuffle=False
+    training = idist.auto_dataloader(ids(DIGITS), batch_size=GLOBAL_BATCH, shuffle=True)
+    padded = idist.auto_dataloader(ids(DIGITS), batch_size=GLOBAL_BATCH, even_shards=True)
+    samplers = [ld.sampler for ld in (evaluation, training, padded)]
+    assert all(isinstance(s, DistributedSampler) for s in samplers)
+    assert [getattr(s, "even_shards", None) for s in samplers] == [False, True, True]
+    assert [len(s) for s in samplers if isinstance(s, DistributedSampler)] == [450] * 3
+    FakeWorld(monkeypatch, size=4, rank=1)
+    rank1 = idist.auto_dataloader(ids(DIGITS), batch_size=GLOBAL_BATCH).sampler
+    assert isinstance(rank1, DistributedSampler) and len(rank1) == 449  # no padding
+    own = DistributedSampler(DIGITS, 4, 1, even_shards=False)
+    with pytest.raises(ValueError, match="pass even_shards or sampler, not both"):
+        idist.auto_dataloader(ids(DIGITS), sampler=own, even_shards=False)
+    assert idist.auto_dataloader(ids(DIGITS), sampler=own, batch_size=3).sampler is own
+    with pytest.raises(ValueError, match="even_shards=False asks for every sample exactly once"):
+        idist.auto_dataloader(ids(DIGITS), batch_size=4, drop_last=True, even_shards=False)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_even_shards_argument_errors(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    """Checked at every world size, so a script fails alone as it would launched."""
+    FakeWorld(monkeypatch, size=world, rank=0)
+    with pytest.raises(ValueError, match=r"even_shards=False .* drop_last=True .* evaluation"):
+        auto_dataloader(ids(10), 4, drop_last=True, even_shards=False)
+    with pytest.raises(TypeError, match=r"even_shards must be True .* got 'yes'"):
+        auto_dataloader(ids(10), 4, even_shards="yes")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- auto_model / optim
@@ -260,6 +358,48 @@ def test_auto_dataloader_across_ranks() -> None:
                 assert set(tail) >= set(expected[-1]) and len(tail) == 4
             if drop_last:
                 assert sum(len(b) for b in expected) == 8
+
+
+def eval_loader_rank(n: int, batch: int) -> dict[str, Any]:
+    """A rank of a pool (tests/ddp/conftest.py): its ``idist.auto_dataloader`` batches per
+    mode, and the number of samples all ranks saw (an all-reduce after the loop)."""
+    from ddp import idist
+
+    modes: dict[str, dict[str, Any]] = {
+        "eval": {},  # shuffle=False: Ignite's evaluation loader
+        "eval_shuffled": {"shuffle": True, "even_shards": False},
+        "train": {"shuffle": True},
+    }
+    out: dict[str, Any] = {}
+    for name, kwargs in modes.items():
+        loader = idist.auto_dataloader(ids(n), batch_size=batch, seed=2, **kwargs)
+        loader.set_epoch(1)
+        got = rank_batches(loader)
+        seen = idist.all_reduce(sum(len(b) for b in got))
+        out[name] = {"batches": got, "len": len(loader), "seen": seen}
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_eval_loaders_see_every_sample_once_on_real_ranks(world: RankPool) -> None:
+    """At 1, 2, 3 and 4 ranks (serial, then cpu rank processes) over 1797 samples."""
+    n, size = DIGITS, world.world_size
+    got = world.run(
+        "tests.ddp.test_auto:eval_loader_rank", {"n": n, "batch": GLOBAL_BATCH}, deadline=60.0
+    )
+    per_rank = GLOBAL_BATCH // size
+    for mode in ("eval", "eval_shuffled"):
+        flat = [i for g in got for b in g[mode]["batches"] for i in b]
+        assert len(flat) == n and sorted(flat) == list(range(n)), mode
+        assert [g[mode]["seen"] for g in got] == [n] * size
+        shares = [len(range(r, n, size)) for r in range(size)]
+        assert [g[mode]["len"] for g in got] == [-(-s // per_rank) for s in shares]
+    # Training keeps even (padded) shards: every rank runs the same number of steps.
+    padded = -(-n // size)
+    assert {g["train"]["len"] for g in got} == {-(-padded // per_rank)}
+    flat = [i for g in got for b in g["train"]["batches"] for i in b]
+    assert len(flat) == padded * size and set(flat) == set(range(n))
+    assert [g["train"]["seen"] for g in got] == [padded * size] * size
 
 
 def one_rank_rank(rank: int, directory: str) -> list[Any]:

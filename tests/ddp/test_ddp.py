@@ -298,6 +298,28 @@ def test_buffers_broadcast_from_rank0_before_forward(world: RankPool) -> None:
         assert off["after_forward"] == [[20.0 + rank]] * 2, f"rank {rank}: {res}"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["cpu", "threads"])
+def test_no_grad_forward_over_uneven_batch_counts_issues_no_collectives(
+    pools: Pools, backend: str
+) -> None:
+    """An evaluator over unpadded shards: 5 samples in batches of 2 on 2 ranks give rank 0
+    two batches (3 samples) and rank 1 one batch (2 samples). Forwards under no_grad must not
+    broadcast buffers (but the first, which follows a training step), else rank 0's extra
+    forward pairs with rank 1's metric all-reduce and the ranks hang or mix up data."""
+    pool = pools("cpu", 2) if backend == "cpu" else ThreadsPool(2, timeout=20.0, tag="ddp")
+    got = pool.run(f"{BODIES}:eval_uneven", {"seed": 3, "n": 5}, deadline=30.0)
+    assert [g["batches"] for g in got] == [2, 1]
+    for rank, g in enumerate(got):
+        # Every sample once: the metric summed over the ranks is one process's.
+        assert g["count"] == 5, g
+        assert g["sum_sq"] == pytest.approx(g["ref_sq"], rel=1e-12), g
+        # The first eval forward follows a training step: rank 0's buffers; then none.
+        assert g["seen"] == [20.0] + [30.0 + rank] * (len(g["seen"]) - 1), g
+        assert g["after_train"] == 30.0 + rank, g  # PyTorch: no broadcast after an eval
+    assert got[0]["digest"] == got[1]["digest"], "parameters differ after the second step"
+
+
 # ---------------------------------------------------------------------------- errors
 MISMATCHES = {
     "shape": ["'layers.1.weight'", "(8, 8)", "(9, 8)"],

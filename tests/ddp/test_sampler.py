@@ -170,6 +170,76 @@ def test_bad_epoch() -> None:
     assert s.epoch == 3
 
 
+# ---------------------------------------------------------------------- uneven shards
+DIGITS = 1797  # scikit-learn's digits: not a multiple of 2, 3 or 4
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_uneven_shards_see_every_sample_exactly_once(replicas: int, shuffle: bool) -> None:
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(replicas):
+            s = DistributedSampler(
+                DIGITS, replicas, rank, shuffle=shuffle, seed=9, even_shards=False
+            )
+            s.set_epoch(epoch)
+            shards.append(s.indices())
+            assert len(s) == s.num_samples == len(shards[-1]) == len(list(s))
+            assert s.total_size == DIGITS
+        flat = np.concatenate(shards)
+        assert len(flat) == DIGITS and sorted(flat.tolist()) == list(range(DIGITS))
+        # The first 1797 % N ranks have one sample more.
+        expected = [DIGITS // replicas + (r < DIGITS % replicas) for r in range(replicas)]
+        assert [len(sh) for sh in shards] == expected
+        # Rank r has positions r, r + N, ... of the same global order as the padded sampler.
+        order = DistributedSampler(DIGITS, replicas, 0, shuffle=shuffle, seed=9)
+        order.set_epoch(epoch)
+        for rank, sh in enumerate(shards):
+            assert sh.tolist() == order.global_order()[rank::replicas].tolist()
+        if shuffle:
+            assert flat.tolist() != sorted(flat.tolist())
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_padded_default_unchanged_for_shuffle(replicas: int) -> None:
+    """Even shards stay PyTorch's: ``ceil(1797 / N)`` each, the start of the order repeated."""
+    shards = [list(DistributedSampler(DIGITS, replicas, r, seed=9)) for r in range(replicas)]
+    assert shards == [reference(DIGITS, replicas, r, True, 9, 0, False) for r in range(replicas)]
+    assert {len(sh) for sh in shards} == {math.ceil(DIGITS / replicas)}
+    flat = [i for sh in shards for i in sh]
+    assert set(flat) == set(range(DIGITS))
+    assert len(flat) - DIGITS == (-DIGITS) % replicas  # that many samples seen twice
+    assert DistributedSampler(DIGITS, replicas, 0).even_shards
+
+
+@given(n=st.integers(0, 40), replicas=st.integers(1, 7), seed=st.integers(0, 1000))
+def test_uneven_shards_disjoint_and_covering(n: int, replicas: int, seed: int) -> None:
+    samplers = [
+        DistributedSampler(n, replicas, r, seed=seed, even_shards=False) for r in range(replicas)
+    ]
+    shards = [s.indices() for s in samplers]
+    flat = np.concatenate(shards)
+    assert sorted(flat.tolist()) == list(range(n))
+    assert [len(s) for s in samplers] == [len(range(r, n, replicas)) for r in range(replicas)]
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_uneven_shards_known_values_and_errors() -> None:
+    uneven = [
+        list(DistributedSampler(10, 3, r, shuffle=False, even_shards=False)) for r in range(3)
+    ]
+    assert uneven == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    # Fewer samples than ranks: the last ranks get nothing (nothing is repeated).
+    few = [list(DistributedSampler(2, 5, r, shuffle=False, even_shards=False)) for r in range(5)]
+    assert few == [[0], [1], [], [], []]
+    assert "even_shards=False" in repr(DistributedSampler(4, 2, 0, even_shards=False))
+    with pytest.raises(ValueError, match=r"drop_last=True truncates .* even_shards=False"):
+        DistributedSampler(10, 3, 0, drop_last=True, even_shards=False)
+    with pytest.raises(TypeError, match="even_shards must be a bool, got 'no'"):
+        DistributedSampler(10, 3, 0, even_shards="no")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------- multi-process
 @pytest.fixture
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
