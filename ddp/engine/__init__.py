@@ -7,7 +7,8 @@ handlers (checkpoints, early stopping, progress bar) in ``ddp.handlers``. docs/e
 Ignite's names to these and lists what differs.
 """
 
-from ._engine import Engine, RemovableEventHandle
+from ._dispatch import RemovableEventHandle
+from ._engine import Engine
 from ._events import CallableEventWithFilter, EventEnum, Events, EventsList
 from ._state import State
 from ._supervised import (
