@@ -93,6 +93,10 @@ class EventsDispatcher:
             self.state.event_to_attr = {**self.state.event_to_attr, **event_to_attr}
             self.state._update_attrs()
 
+    def has_registered_events(self, event: Any) -> bool:
+        """Whether ``event`` may have handlers (a built-in or registered event)."""
+        return event in self._allowed_events
+
     def add_event_handler(
         self, event_name: Any, handler: Handler, *args: Any, **kwargs: Any
     ) -> RemovableEventHandle:
