@@ -8,8 +8,8 @@ one all-reduce, and the results are written back. :func:`sync_parameters` makes 
 parameters and buffers equal to one rank's (what DDP does at construction).
 
 DDP's own copies of a module's state, :func:`broadcast_module_state` (at construction and at
-the end of a :func:`ddp.join`) and :func:`broadcast_module_buffers` (before each forward), live
-here too.
+the end of a :func:`ddp.join`) and :func:`broadcast_module_buffers` (before a forward that
+follows a synchronizing one, as PyTorch does), live here too.
 
 Outside any process group, or in a group of one, both are no-ops (world size 1).
 """
@@ -224,7 +224,8 @@ def broadcast_module_state(
 
 def broadcast_module_buffers(group: collectives.ProcessGroup, module: nn.Module, src: int) -> None:
     """Copy global rank ``src``'s buffers of ``module`` to every rank, one broadcast each
-    (what DDP does before each forward with ``broadcast_buffers``)."""
+    (what DDP does with ``broadcast_buffers`` before a forward that follows a synchronizing
+    one)."""
     for _, b in module.named_buffers():
         data = b.data
         if data.flags.c_contiguous:
