@@ -11,6 +11,10 @@ with the handlers a script typically has (a filtered logger every 100 iterations
 epoch-end handler). Defaults match the digits example's shapes (1,437 training samples, so
 22 steps of 64 per epoch), where the engine's per-iteration cost is the largest share.
 
+The peer, when torch and pytorch-ignite are installed (the ``parity`` extra): Ignite's own
+``create_supervised_trainer`` against the same hand loop written in torch (CPU, one thread,
+the same shapes, batches cut beforehand), its ratio read beside ours.
+
 A run is ``--epochs`` epochs from a fresh model; the table gives each row's best and median
 seconds per epoch over ``--runs`` runs, the median's ratio to the hand loop's and the
 engine's cost per iteration (median difference / iterations). Rows alternate run by run, so
@@ -92,6 +96,52 @@ def rows(args: argparse.Namespace) -> list[tuple[str, Callable[[], tuple[float, 
     ]
 
 
+def ignite_rows(args: argparse.Namespace) -> list[tuple[str, Callable[[], float]]] | str:
+    """The peer: PyTorch Ignite's trainer against the same hand loop in torch (CPU), same
+    shapes and batches; or why it cannot run (torch or pytorch-ignite missing)."""
+    try:
+        import ignite.engine as ie
+        import torch
+    except ImportError as exc:
+        return f"{exc.name} is not installed (pip install -e '.[parity]' brings torch and ignite)"
+    torch.set_num_threads(1)
+    x, y = (torch.from_numpy(a) for a in _data(args))
+    n = len(x) - len(x) % args.batch
+
+    def parts() -> tuple[Any, Any, list[tuple[Any, Any]]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 10)
+        )
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:n]
+        batches = [(x[i], y[i]) for i in order.split(args.batch)]
+        return model, torch.optim.Adam(model.parameters(), lr=3e-3), batches
+
+    def torch_hand() -> float:
+        model, opt, batches = parts()
+        loss_fn = torch.nn.functional.cross_entropy
+        start = time.perf_counter()
+        for _ in range(args.epochs):
+            total = 0.0
+            for xb, yb in batches:
+                model.train()
+                loss = loss_fn(model(xb), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss.item()
+        return (time.perf_counter() - start) / args.epochs
+
+    def ignite_trainer() -> float:
+        model, opt, batches = parts()
+        trainer = ie.create_supervised_trainer(model, opt, torch.nn.functional.cross_entropy)
+        start = time.perf_counter()
+        trainer.run(batches, max_epochs=args.epochs)
+        return (time.perf_counter() - start) / args.epochs
+
+    return [("torch hand loop", torch_hand), ("ignite create_supervised_trainer", ignite_trainer)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rows (alternating) and print the table (and write ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -120,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 params = got
             elif not all(np.array_equal(a, b) for a, b in zip(params, got, strict=True)):
                 raise SystemExit(f"engine_epoch: {name!r} trained to other parameters")
-    print(f"{'row (s per epoch)':<28} {'best':>9} {'median':>9} {'vs hand':>8} {'us/iter':>8}")
+    print(f"{'row (s per epoch)':<32} {'best':>9} {'median':>9} {'vs hand':>8} {'us/iter':>8}")
     base = statistics.median(walls["hand loop"])
     figures: dict[str, dict[str, float]] = {}
     for name, w in walls.items():
@@ -128,7 +178,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = (med - base) / steps * 1e6
         figures[name.strip()] = {"best_s": best, "median_s": med, "ratio": med / base,
                                  "extra_us_per_iter": extra}  # fmt: skip
-        print(f"{name:<28} {best:>9.5f} {med:>9.5f} {med / base:>7.3f}x {extra:>8.1f}")
+        print(f"{name:<32} {best:>9.5f} {med:>9.5f} {med / base:>7.3f}x {extra:>8.1f}")
+    peer = ignite_rows(args)
+    if isinstance(peer, str):
+        print(f"# peer: PyTorch Ignite skipped: {peer}")
+    else:
+        # Same alternation; batches pre-cut in both torch rows (no loader on either side).
+        pw: dict[str, list[float]] = {name: [] for name, _ in peer}
+        for _ in range(args.runs):
+            for name, prun in peer:
+                pw[name].append(prun())
+        pbase = statistics.median(pw["torch hand loop"])
+        for name, w in pw.items():
+            best, med = min(w), statistics.median(w)
+            extra = (med - pbase) / steps * 1e6
+            figures[name] = {"best_s": best, "median_s": med, "ratio": med / pbase,
+                             "extra_us_per_iter": extra}  # fmt: skip
+            print(f"{name:<32} {best:>9.5f} {med:>9.5f} {med / pbase:>7.3f}x {extra:>8.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": figures}, indent=2))
     return 0
