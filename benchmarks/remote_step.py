@@ -12,6 +12,14 @@ the time goes: CPU seconds a step in this process (local steps, remote steps) an
 server process (Linux ``/proc``), so a ratio measured on a busy machine can be read against
 the work each side does. Set ``OPENBLAS_NUM_THREADS`` (both processes inherit it) to compare
 BLAS thread settings.
+
+Peak memory of a step (``--memory-steps``, after the timing): a local step against a remote
+step on a server in this process (``remote.serve``), so that ``tracemalloc`` sees the
+server's arrays (NumPy reports its buffers to it) as well as the client's; each figure is the
+most a step allocated above what was held when it began (the model, its gradients and the
+optimizer's state), the largest of the steps measured. Also the server's own count of the
+session's arrays (``Server.stats()["peak_bytes"]``) above what it holds between steps: the
+figure ``--max-session-bytes`` is checked against.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -124,12 +133,55 @@ def _per_op(dev: tl.Device, n: int = 20_000) -> tuple[float, float]:
     return (t1 - t0) / n * 1e6, (t3 - t2) / n * 1e6
 
 
+def _step_peak(trainer: _Trainer, steps: int, sync: Any) -> int:
+    """The most bytes one of ``steps`` steps allocated above what was held when it began
+    (``tracemalloc``, which must be tracing); ``sync`` waits for the device's work."""
+    most = 0
+    for _ in range(steps):
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        trainer.step()
+        sync()  # a remote step's update runs after its read's reply: include it
+        most = max(most, tracemalloc.get_traced_memory()[1] - base)
+    return most
+
+
+def step_memory(x: np.ndarray, y: np.ndarray, steps: int) -> dict[str, int]:
+    """Peak bytes a step allocates, locally and on an in-process server (see the doc)."""
+    with remote.serve(["cpu"], token=TOKEN) as server:
+        dev = remote.devices(server.address, token=TOKEN)[0]
+        local, far = _Trainer("cpu", x, y), _Trainer(dev, x, y)
+        local.step(), far.step()  # the optimizer's state exists from the first step on
+        dev.synchronize()
+        held = server.stats()["bytes"]
+        tracemalloc.start()
+        try:
+            local_peak = _step_peak(local, steps, lambda: None)
+            remote_peak = _step_peak(far, steps, dev.synchronize)
+        finally:
+            tracemalloc.stop()
+        stats = server.stats()
+        remote.close(dev)
+    return {
+        "local_step_peak_bytes": local_peak,
+        "remote_step_peak_bytes": remote_peak,
+        "server_held_bytes": held,
+        "server_step_peak_bytes": stats["peak_bytes"] - held,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the table, and return the figures."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200, help="timed steps of each (default 200)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--ops", type=int, default=20_000, help="additions timed for the per-op cost")
+    p.add_argument(
+        "--memory-steps",
+        type=int,
+        default=5,
+        help="steps of each whose peak memory is measured after the timing (0: skip)",
+    )
     p.add_argument("--json", help="also write the figures here")
     p.add_argument(
         "--same-session",
@@ -161,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+    memory = step_memory(x, y, args.memory_steps) if args.memory_steps > 0 else {}
     ml, mr = statistics.median(t_local) * 1e3, statistics.median(t_remote) * 1e3
     out = {
         "local_ms": ml,
@@ -177,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_cpu_ms": None if s0 is None or s1 is None else (s1 - s0) / args.steps * 1e3,
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "server_session": "same" if args.same_session else "own",
+        **memory,
     }
     rt, ops, sent = out["round_trips_per_step"], out["records_per_step"], out["bytes_sent_per_step"]
     print(
@@ -194,6 +248,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{out['client_cpu_ms']:.2f} + server {server} "
         f"(OPENBLAS_NUM_THREADS={out['openblas_threads']})"
     )
+    if memory:
+        lp, rp = memory["local_step_peak_bytes"], memory["remote_step_peak_bytes"]
+        print(
+            f"peak memory a step allocates (tracemalloc, max of {args.memory_steps}): local "
+            f"{lp / 1e3:.0f} KB, remote (client + in-process server) {rp / 1e3:.0f} KB "
+            f"({rp / lp:.2f}x); the server's session arrays: "
+            f"{memory['server_step_peak_bytes'] / 1e3:.0f} KB over the "
+            f"{memory['server_held_bytes'] / 1e3:.0f} KB held between steps"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -63,7 +63,8 @@ class Session:
 
     Attributes:
         device: the tensorlib device (``remote://HOST:PORT/INDEX``).
-        drops: ids of handles that died, sent with the next frame.
+        drops: ids of handles that died, sent as one DROP record ahead of the next record
+            (after a read, which allocates nothing: see ``_put_drops``).
     """
 
     def __init__(self, server: ServerInfo, index: int, device: Any) -> None:
@@ -117,8 +118,10 @@ class Session:
         parts = record(op, flags, out, args)
         with self._lock:
             if self._dead is not None or self._framed is None:
-                self._append(parts, site)
+                self._append(parts, site, drops_first=True)
             else:  # _append, inlined
+                if self.drops:
+                    self._put_drops()
                 self._parts += parts
                 self._nbuf += 1
                 self._bytes += len(parts[-1])  # an array's data comes last
@@ -175,11 +178,15 @@ class Session:
         self.issue(op, 0, first, args)
         return out
 
-    def _append(self, parts: list[bytes], site: tuple[Any, int] | None) -> None:
+    def _append(
+        self, parts: list[bytes], site: tuple[Any, int] | None, drops_first: bool = False
+    ) -> None:
         if self._dead is not None:
             raise RemoteConnectionError(str(self._dead))
         if self._framed is None:
             self._connect()
+        if drops_first and self.drops:
+            self._put_drops()
         self._parts.extend(parts)
         self._nbuf += 1
         self._bytes += len(parts[-1])
@@ -190,12 +197,25 @@ class Session:
 
         self._framed = dial(self.server, self.index)
 
-    def _flush(self) -> None:
+    def _put_drops(self) -> None:
+        """Queue one DROP record for every handle that died so far (caller holds the lock).
+
+        ``__del__`` only appends to ``drops`` (it may run on any thread, or inside this
+        lock), so the ids are taken here, in stream order: a record issued after a handle
+        died runs after its memory is freed on the server, as a local array's would be (a
+        loop that drops each round's array before making the next one fits in one array's
+        memory). A read does not take them first: it allocates nothing, and an ADAM record
+        must stay right before the READ for the server to answer before it updates
+        (``Worker._adam``); the flush sends them after the read.
+        """
         drops = self.drops
-        if drops:  # one record frees them all
-            self._parts += drop_record([drops.popleft() for _ in range(len(drops))])
-            self._nbuf += 1
-            self._sites.append(None)
+        self._parts += drop_record([drops.popleft() for _ in range(len(drops))])
+        self._nbuf += 1
+        self._sites.append(None)
+
+    def _flush(self) -> None:
+        if self.drops:
+            self._put_drops()
         if not self._nbuf or self._framed is None:
             return
         payload = records_frame(self._waits, self._nbuf, self._parts)

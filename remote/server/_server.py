@@ -115,10 +115,15 @@ class Server:
         return f"<remote.Server {self.address} devices={self.specs}>"
 
     def stats(self) -> dict[str, int]:
-        """``sessions`` open now and the ``bytes`` their arrays hold."""
+        """``sessions`` open now, the ``bytes`` their arrays hold, and ``peak_bytes``: the
+        sum of each one's most at once since it began (what one session's limit sees)."""
         with self._lock:
             workers = [w for w in self._workers if not w.closed]
-        return {"sessions": len(workers), "bytes": sum(w.bytes for w in workers)}
+        return {
+            "sessions": len(workers),
+            "bytes": sum(w.bytes for w in workers),
+            "peak_bytes": sum(w.peak_bytes for w in workers),
+        }
 
     def close(self) -> None:
         """Stop serving: close every connection (sessions are freed) and the listener."""

@@ -44,6 +44,7 @@ class Worker:
 
     Attributes:
         bytes: what its arrays hold now.
+        peak_bytes: the most they held at once since the session began.
         waiting: replies due (the heartbeat thread keeps the client posted while > 0).
         busy_since: when the frame being run started (None between frames): a frame that
             runs long gets heartbeats too, since the client may be waiting on a later one.
@@ -58,6 +59,7 @@ class Worker:
         self._owner: dict[int, int] = {}  # id -> key of the buffer it is (a view of)
         self._buffers: dict[int, list[Any]] = {}  # key -> [users, nbytes, the buffer]
         self.bytes = 0
+        self.peak_bytes = 0
         self.waiting = 0
         self.busy_since: float | None = None
         self.closed = False
@@ -149,6 +151,8 @@ class Worker:
                         self._guard(nbytes)
                     self._buffers[key] = [1, nbytes, result]
                     self.bytes += nbytes
+                    if self.bytes > self.peak_bytes:
+                        self.peak_bytes = self.bytes
                     self.table[oid] = result
                     self._owner[oid] = key
                     return
@@ -285,6 +289,8 @@ class Worker:
             entry = [0, nbytes, root]
             self._buffers[key] = entry
             self.bytes += nbytes
+            if self.bytes > self.peak_bytes:
+                self.peak_bytes = self.bytes
         entry[0] += 1
         table[i] = x
         self._owner[i] = key

@@ -85,13 +85,13 @@ def test_a_client_that_dies_frees_its_session_on_the_server() -> None:
         )  # fmt: skip
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-            assert server.stats() == {"sessions": 1, "bytes": 8 << 20}
+            assert server.stats() == {"sessions": 1, "bytes": 8 << 20, "peak_bytes": 8 << 20}
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             deadline = time.monotonic() + 10
             while server.stats()["sessions"] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert server.stats() == {"sessions": 0, "bytes": 0}
+            assert server.stats() == {"sessions": 0, "bytes": 0, "peak_bytes": 0}
         finally:
             proc.kill()
             proc.wait(timeout=10)
