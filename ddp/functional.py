@@ -2,8 +2,9 @@
 
 Each function is a differentiable tensorlib op: its forward runs a collective on the tensor's
 array and its backward runs the collective that is its derivative. The convention is torch's:
-the objective is the **sum of every rank's loss**, and each rank's input is its own variable,
-so the gradient a rank receives is the derivative of that sum with respect to its input:
+the objective is the **sum of every rank's loss**, and each rank's input is its own variable
+(but ``scatter``'s replicated input: one variable that every rank holds), so the gradient a
+rank receives is the derivative of that sum with respect to its input:
 
 =====================  ========================================  ==============================
 op                     forward (rank r of W)                      backward (gradient of x_r)
@@ -12,14 +13,28 @@ op                     forward (rank r of W)                      backward (grad
 ``all_gather(x, a)``   ``y = concat(x_0, ..., x_{W-1}; axis a)``  slice r of the summed grads
 ``gather(x, a)``       the same as ``all_gather``                 the same
 ``reduce_scatter``     slice r of ``x_0 + ... + x_{W-1}``         the ranks' grads, gathered
-``scatter(x, a)``      slice r of ``x`` (``x`` alike on all)      the slices' grads gathered
-                                                                   back to ``src``; 0 elsewhere
+``scatter(x, a)``      slice r of ``x`` (``x`` alike on all)      the ranks' slice grads,
+                                                                   gathered, on every rank
+``scatter(x, a, src)`` slice r of ``x_src``                       the ranks' slice grads,
+                                                                   gathered to ``src``; 0
+                                                                   elsewhere
 =====================  ========================================  ==============================
 
-``scatter`` moves no data forward: ``x`` must hold the same value on every rank (an
-all-reduce's output, or an input every rank built from the same seed), and the op is
-differentiated as "every rank takes its slice of ``src``'s x". So ``scatter(all_reduce(z))``
-has the same values and gradients as ``reduce_scatter(z)``.
+``scatter`` has two forms, for the two kinds of input:
+
+- ``scatter(x, axis)``, for a **replicated** ``x``: the same value on every rank, made by the
+  same computation from the same parameters and data (replicated layers before a
+  column-parallel split). It moves no data forward, and ``x`` is one variable held by every
+  rank, so its gradient is the concatenation of every rank's slice gradient, on every rank
+  (Megatron's split / all-gather rule): replicated layers before it get the same gradient
+  everywhere and stay identical, as in the one-process model.
+- ``scatter(x, axis, src=k)``, for an ``x`` **owned by rank k** (torch.distributed.nn's
+  scatter): rank k's ``x`` is sent (the other ranks' ``x`` gives only the shape and dtype), and
+  the gradient goes back to ``k`` alone (zeros on the other ranks). Use this form too for an
+  ``x`` computed from an ``all_reduce`` or ``all_gather`` output: their backward sums the
+  ranks' gradients, so the replicated form's full gradient on every rank would be counted
+  ``W`` times there. ``scatter(all_reduce(z), src=k)`` has the same values and gradients as
+  ``reduce_scatter(z)``.
 
 Every rank of the group must run the same ops in the same order, forward and backward: a rank
 whose loss does not depend on an op's output never runs that op's backward, and the others'
@@ -137,17 +152,36 @@ class _ReduceScatter(Function):
 
 
 class _Scatter(Function):
+    """Split a replicated ``x``: no data moves forward; the gradient is every rank's slice
+    gradient gathered, on every rank (``x`` is one variable that every rank holds)."""
+
+    __slots__ = ("axis", "group")
+
+    def forward(self, a: Any, group: Any = None, axis: int = 0) -> Any:
+        self.group, self.axis = group, axis
+        return _xp(a).ascontiguousarray(_slice(a, axis, group.rank, group.size))
+
+    def backward(self, g: Any) -> Any:
+        return _gather_along(self.group, g, self.axis)
+
+
+class _ScatterFrom(Function):
+    """Split the ``x`` of rank ``src`` (torch.distributed.nn's scatter): ``src``'s ``x`` is
+    broadcast, and the slices' gradients go back to ``src`` only."""
+
     __slots__ = ("axis", "group", "is_src")
 
     def forward(self, a: Any, group: Any = None, axis: int = 0, src: int = 0) -> Any:
         self.group, self.axis = group, axis
         self.is_src = group.info.global_rank == src
-        return _xp(a).ascontiguousarray(_slice(a, axis, group.rank, group.size))
+        full = _xp(a).array(a, copy=True, order="C")  # never overwrite the caller's x
+        group.broadcast(full, src)
+        return _xp(a).ascontiguousarray(_slice(full, axis, group.rank, group.size))
 
     def backward(self, g: Any) -> Any:
         full = _gather_along(self.group, g, self.axis)
-        # The other ranks' copies of x did not feed the output: their gradient is zero (and
-        # still an array, so that ops before this one run their backward on every rank).
+        # The other ranks' x did not feed any output: their gradient is zero (and still an
+        # array, so that ops before this one run their backward on every rank).
         return full if self.is_src else _xp(g).zeros_like(full)
 
 
@@ -184,8 +218,15 @@ def all_gather(x: Tensor, axis: int = 0, group: collectives.ProcessGroup | None 
 
 
 def gather(x: Tensor, axis: int = 0, group: collectives.ProcessGroup | None = None) -> Tensor:
-    """The same op as :func:`all_gather` (Megatron's "gather from the parallel region"):
-    every rank's ``x`` concatenated along ``axis``, on every rank."""
+    """The same op as :func:`all_gather`: every rank's ``x`` concatenated along ``axis``, on
+    every rank.
+
+    Megatron's "gather from the model-parallel region" has the same forward, but its backward
+    takes this rank's slice of a gradient that is the same on every rank (one loss, computed
+    on every rank); this one sums the ranks' gradients (every rank's loss counts, the
+    module's convention). A loss computed alike on every rank after it therefore counts
+    ``W`` times: scale it by ``1 / W`` for the one-process gradient.
+    """
     ax = _axis(x, axis, "ddp.functional.gather")
     pg = resolve_group(group, "ddp.functional.gather")
     if pg is None:
@@ -220,29 +261,39 @@ def scatter(
     group: collectives.ProcessGroup | None = None,
     src: int | None = None,
 ) -> Tensor:
-    """Rank r's block along ``axis`` of ``x``, which must be the same on every rank.
+    """Rank r's block along ``axis`` of ``x``: of a replicated ``x``, or of rank ``src``'s.
 
-    No data moves forward. The gradient is every rank's slice gradient gathered back into
-    ``x``'s shape on ``src`` (zeros on the other ranks), as if ``src`` had sent the slices.
+    Without ``src``, ``x`` must hold the same value on every rank (replicated layers' output);
+    no data moves, and the gradient of ``x`` is every rank's slice gradient gathered into
+    ``x``'s shape, on every rank (Megatron's rule), so the layers before it stay replicated.
+    With ``src``, rank ``src``'s ``x`` is scattered (broadcast, then sliced) and the gradient
+    goes back to ``src`` only, zeros elsewhere (torch.distributed.nn's rule); use it for an
+    ``x`` that one rank owns, or one computed from an :func:`all_reduce` or
+    :func:`all_gather` output, whose backward sums the ranks' gradients (see the module doc).
 
     Args:
-        x: the tensor, alike on every rank of the group.
+        x: the tensor: alike on every rank (no ``src``), or rank ``src``'s (the others' give
+            the shape and dtype).
         axis: the axis to split; the group size must divide its length.
         group: the group (None: the default group).
-        src: the global rank that owns ``x`` (None: the group's first member).
+        src: the global rank that owns ``x`` (None: ``x`` is replicated).
 
     Raises:
         ValueError: when the group size does not divide ``x.shape[axis]``, for an axis out of
             range, or when ``src`` is not a member.
+        TypeError: when ``src`` is not an int.
         RuntimeError: when this rank is not a member of ``group``.
     """
     where = "ddp.functional.scatter"
     ax = _axis(x, axis, where)
+    if src is not None and (isinstance(src, bool) or not isinstance(src, int)):
+        raise TypeError(f"{where}: src must be an int rank or None, got {src!r}")
     pg = resolve_group(group, where)
     if pg is None:
         return x
     _check_divisible(tuple(x.shape), ax, pg.size, where)
-    owner = pg.ranks[0] if src is None else src
-    if owner not in pg.ranks:
-        raise ValueError(f"{where}: src={owner} is not a member (members: {list(pg.ranks)})")
-    return _Scatter.apply(x, group=pg, axis=ax, src=owner)
+    if src is None:
+        return _Scatter.apply(x, group=pg, axis=ax)
+    if src not in pg.ranks:
+        raise ValueError(f"{where}: src={src} is not a member (members: {list(pg.ranks)})")
+    return _ScatterFrom.apply(x, group=pg, axis=ax, src=src)
