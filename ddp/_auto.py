@@ -189,9 +189,13 @@ def auto_dataloader(
         )
     if batch_size % world:
         lower = batch_size - batch_size % world
+        near = f"{lower} or {lower + world}" if lower else f"{world}"
         raise ValueError(
             f"auto_dataloader: batch_size={batch_size} is the global batch and must be "
-            f"divisible by the world size {world}; use {lower or world} or {lower + world}"
+            f"divisible by the world size {world}; use {near} "
+            f"(any multiple of {world}): each of the {world} ranks reads batch_size / {world} "
+            "samples a step, and rounding that share would silently change the global batch, "
+            "and with it what one step learns"
         )
     probe = DataLoader(arrays, 1)  # checks the arrays and gives their common length
     sampler = DistributedSampler(

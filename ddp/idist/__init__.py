@@ -1,9 +1,12 @@
 """``ddp.idist``: PyTorch Ignite's ``ignite.distributed`` API over collectives and ddp.
 
 Ignite scripts keep their code with ``import ddp.idist as idist``: the same names, signatures
-and result shapes, tensorlib Tensors where Ignite takes torch tensors. Outside any process
-group every call behaves as world size 1 (Ignite's serial model), so a script never branches
-on "am I distributed". docs/idist.md maps every name and lists the few semantics that differ.
+and result shapes, tensorlib Tensors where Ignite takes torch tensors; the names and argument
+orders of the seed's page work too (``rank()``, ``world_size()``, ``spawn(fn, args, nprocs)``,
+``Parallel(backend, nprocs)``, ``all_reduce(tensor, group, op)``, ``auto_dataloader(loader)``).
+Outside any process group every call behaves as world size 1 (Ignite's serial model), so a
+script never branches on "am I distributed". docs/idist.md maps every name and lists the few
+semantics that differ.
 """
 
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_first, one_rank_only
@@ -26,12 +29,13 @@ from ._config import (
     hostname,
     initialize,
     model_name,
+    rank,
     set_local_rank,
     show_config,
-    sync,
+    world_size,
 )
 from ._launch import Parallel, spawn
-from ._ops import all_gather, all_reduce, barrier, broadcast, new_group
+from ._ops import all_gather, all_reduce, barrier, broadcast, new_group, sync
 
 __all__ = [
     "Parallel",
@@ -63,8 +67,10 @@ __all__ = [
     "new_group",
     "one_rank_first",
     "one_rank_only",
+    "rank",
     "set_local_rank",
     "show_config",
     "spawn",
     "sync",
+    "world_size",
 ]

@@ -4,9 +4,10 @@ One implementation: these are Ignite's signatures over ``ddp``'s helpers, which 
 What differs is what Ignite's reference fixes: ``auto_model``'s ``sync_bn``,
 ``auto_dataloader(dataset, **kwargs)`` with torch's DataLoader options (``shuffle`` False by
 default, so an evaluation loader sees every sample once; loader-process options accepted and
-ignored, a sampler of one's own), ``auto_optim``'s Horovod keywords refused, and
-``one_rank_only(with_barrier=False)`` by default (``ddp``'s waits by default, so that a
-rank-0 write is on disk before the others go on).
+ignored, a sampler of one's own) and, as the seed writes it, ``auto_dataloader(loader)`` of an
+existing ``ddp.DataLoader``; ``auto_optim``'s Horovod keywords refused. ``one_rank_only``
+waits at a barrier by default (``with_barrier=True``), as the seed and ``ddp`` do, so that a
+rank-0 write is on disk before the others go on; Ignite's own default is False.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def auto_optim(optimizer: optim.Optimizer, **kwargs: Any) -> optim.Optimizer:
     return _auto.auto_optim(optimizer)
 
 
-def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
-    """A data loader over ``dataset`` that gives each rank its share, as Ignite's.
+def auto_dataloader(dataset: Sequence[Any] | DataLoader, **kwargs: Any) -> DataLoader:
+    """A data loader that gives each rank its share, as Ignite's; or, given an existing
+    :class:`ddp.DataLoader` (as the seed passes one), that loader made distributed.
 
     ``batch_size`` is the global batch: each of N ranks gets ``batch_size // N`` per step from
     a :class:`~ddp.DistributedSampler`, so one process and N ranks see the same global batches.
@@ -78,20 +80,29 @@ def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
     the same number of steps. ``even_shards=True`` or ``False`` asks for either explicitly
     (see :func:`ddp.auto_dataloader`). Ignite pads in both cases.
 
+    Given a ``DataLoader``, its arrays, ``batch_size`` (the global batch), ``shuffle``,
+    ``drop_last``, ``seed``, ``device`` and epoch are kept, and ``**kwargs`` overrides them;
+    the result reads this rank's share through a ``DistributedSampler`` (at world size 1, and
+    without overrides, it is the loader itself). ``ddp.DataLoader`` has no collate function
+    (a batch is one index per array), so there is none to keep.
+
     Args:
-        dataset: same-length arrays, e.g. ``(x, y)`` (what :class:`ddp.DataLoader` takes).
-        **kwargs: ``batch_size`` (default 1), ``shuffle`` (default False, as torch's
-            DataLoader), ``drop_last``, ``seed``, ``device``, ``even_shards`` (default None:
-            chosen from ``shuffle`` and ``drop_last``), or ``sampler`` (a
-            ``DistributedSampler`` of your own, used as given with ``batch_size`` per rank;
-            its own ``even_shards`` decides the sharding); ``num_workers``, ``pin_memory``,
-            ``persistent_workers``, ``prefetch_factor`` and ``timeout`` are accepted and
-            ignored (there are no loader processes).
+        dataset: same-length arrays, e.g. ``(x, y)`` (what :class:`ddp.DataLoader` takes),
+            or a ``ddp.DataLoader`` over them.
+        **kwargs: ``batch_size`` (default 1, or the loader's), ``shuffle`` (default False, as
+            torch's DataLoader, or the loader's), ``drop_last``, ``seed``, ``device``,
+            ``even_shards`` (default None: chosen from ``shuffle`` and ``drop_last``), or
+            ``sampler`` (a ``DistributedSampler`` of your own, used as given with
+            ``batch_size`` per rank; its own ``even_shards`` decides the sharding; not with
+            a loader); ``num_workers``, ``pin_memory``, ``persistent_workers``,
+            ``prefetch_factor`` and ``timeout`` are accepted and ignored (there are no loader
+            processes).
 
     Raises:
-        ValueError: when ``batch_size`` is not divisible by the world size, for
-            ``even_shards=False`` with ``drop_last=True``, or ``even_shards`` together with
-            ``sampler``.
+        ValueError: when ``batch_size`` is not divisible by the world size (the error names
+            the sizes that are), for ``even_shards=False`` with ``drop_last=True``,
+            ``even_shards`` together with ``sampler``, or a loader whose own sampler already
+            decides the order.
         TypeError: for another keyword argument, or an ``even_shards`` that is not a bool
             or None.
     """
@@ -102,6 +113,8 @@ def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
             f"(and, ignored, {_IGNORED})"
         )
     opts = {k: kwargs[k] for k in _LOADER if k in kwargs}
+    if isinstance(dataset, DataLoader):
+        return _from_loader(dataset, opts)
     sampler = opts.pop("sampler", None)
     if sampler is not None:
         if opts.pop("even_shards", None) is not None:
@@ -120,11 +133,54 @@ def auto_dataloader(dataset: Sequence[Any], **kwargs: Any) -> DataLoader:
     return _auto.auto_dataloader(dataset, **opts)
 
 
+def _from_loader(loader: DataLoader, opts: dict[str, Any]) -> DataLoader:
+    """:func:`auto_dataloader` of an existing loader: the same settings, this rank's share."""
+    where = "idist.auto_dataloader(loader)"
+    if "sampler" in opts:
+        raise TypeError(
+            f"{where}: sampler= is for a dataset; a loader keeps its settings and gets a "
+            "DistributedSampler"
+        )
+    world = get_world_size()
+    own = loader.sampler
+    if own is not None:
+        if isinstance(own, DistributedSampler) and not opts:
+            if (own.num_replicas, own.rank) == (world, get_rank()):
+                return loader  # already this rank's share
+        elif world == 1 and not opts:
+            return loader
+        raise ValueError(
+            f"{where}: the loader's sampler ({type(own).__name__}) already decides which "
+            f"samples it reads, so it cannot be split between {world} ranks; give "
+            "auto_dataloader a DataLoader without a sampler (shuffle=True/False), or its "
+            "arrays: auto_dataloader(loader.arrays, batch_size=..., ...)"
+        )
+    if world == 1 and not opts:
+        return loader  # one rank: its share is every sample, in the loader's own order
+    settings: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "shuffle": loader.shuffle,
+        "drop_last": loader.drop_last,
+        "seed": loader.seed,
+        "device": loader.device,
+        **opts,
+    }
+    made = _auto.auto_dataloader(loader.arrays, **settings)
+    if loader.epoch:
+        made.set_epoch(loader.epoch)
+    return made
+
+
 def one_rank_only(
-    rank: int = 0, with_barrier: bool = False
+    rank: int = 0, with_barrier: bool = True
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Decorator: run the function on ``rank`` only (its value there, None elsewhere), then,
     with ``with_barrier``, wait for every rank.
+
+    The default waits (``with_barrier=True``), as the seed writes it: every rank calls the
+    decorated function, and none goes on before ``rank`` has finished it (a checkpoint it
+    writes is complete). Ignite's own default is ``with_barrier=False``: pass it for a
+    function that only some ranks call, or to skip the wait.
 
     Raises:
         ValueError: when called with a ``rank`` the world does not have.

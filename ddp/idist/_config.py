@@ -1,17 +1,22 @@
-"""Where this process stands: Ignite's ``initialize``/``finalize`` and the ``get_*`` queries.
+"""Where this process stands: Ignite's ``initialize``/``finalize`` and the ``get_*`` queries
+(with the seed's ``rank()``/``world_size()``), and what a spawned worker knows of its spawner.
 
 Nothing is cached: every query reads the collectives' default group as it is now, so a group
 made with ``collectives.init_process_group`` directly is seen at once (Ignite's ``sync()`` has
-nothing to do). Outside any group every query answers for a world of one (Ignite's serial
-model), and nothing is initialized by asking.
+no state to refresh). Outside any group every query answers for a world of one (Ignite's
+serial model), and nothing is initialized by asking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import collectives
@@ -40,9 +45,11 @@ __all__ = [
     "initialize",
     "is_distributed",
     "model_name",
+    "rank",
     "set_local_rank",
     "show_config",
-    "sync",
+    "spawned_worker",
+    "world_size",
 ]
 
 # Ignite scripts name torch's CPU backend; ours is "cpu".
@@ -106,6 +113,58 @@ def check_backend(name: str | None, where: str) -> str | None:
     )
 
 
+@dataclass
+class _Worker:
+    """What a worker that ``idist.spawn``/``Parallel`` started knows of its spawner.
+
+    Attributes:
+        backend: the backend the spawner was given (resolved; None: choose).
+        nprocs: number of ranks the spawner started.
+        timeout: the spawner's group timeout in seconds (None: the default).
+        in_group: True when the spawner joined the worker to its group before calling it
+            (Ignite's ``spawn(backend, fn, ...)`` and ``Parallel``); False when the worker
+            joins itself with :func:`initialize` (the seed's ``spawn(fn, args, nprocs)``).
+        joined: the worker called :func:`initialize`.
+    """
+
+    backend: str | None
+    nprocs: int
+    timeout: float | None
+    in_group: bool
+    joined: bool = False
+
+
+# Per thread: a spawned worker is a process's main thread, or one rank thread of a threads job.
+_worker = threading.local()
+
+
+def current_worker() -> _Worker | None:
+    """This thread's spawner record, or None outside a spawned worker."""
+    return getattr(_worker, "record", None)
+
+
+@contextlib.contextmanager
+def spawned_worker(
+    backend: str | None, nprocs: int, timeout: float | None, in_group: bool
+) -> Iterator[_Worker]:
+    """Mark the calling thread as a spawned worker for the duration of the block, so that
+    :func:`initialize` in it joins the spawner's ranks (see :class:`_Worker`)."""
+    record = _Worker(backend, nprocs, timeout, in_group)
+    _worker.record = record
+    try:
+        yield record
+    finally:
+        _worker.record = None
+
+
+def _seconds(timeout: Any, default: float | None) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if timeout is None:
+        return default if default is not None else 300.0
+    return float(timeout)
+
+
 def initialize(backend: str | None = None, **kwargs: Any) -> None:
     """Join the job's process group, as Ignite's ``idist.initialize``.
 
@@ -113,15 +172,23 @@ def initialize(backend: str | None = None, **kwargs: Any) -> None:
     for ``backend="mpi"``) this joins the launched ranks; in a process nobody launched it is a
     world of one on the serial backend (``backend()`` is then None).
 
+    In a worker that ``idist.spawn(fn, args, nprocs)`` started (the seed's form), this joins
+    the spawned ranks (processes or rank threads), on ``backend`` or else the one given to
+    ``spawn`` (none: nccl with GPUs, else cpu). In a worker that the spawner has already put
+    in its group (Ignite's ``spawn(backend, fn, ...)``, ``Parallel``), it has nothing to do
+    when ``backend`` is None or the spawner's.
+
     Args:
-        backend: ``"cpu"`` (or Ignite's ``"gloo"``), ``"nccl"``, ``"mpi"``, or None to choose.
+        backend: ``"cpu"`` (or Ignite's ``"gloo"``), ``"nccl"``, ``"mpi"``, ``"threads"`` (in a
+            rank thread), or None to choose.
         **kwargs: ``timeout`` (seconds or a timedelta), ``init_method``, ``rank`` and
             ``world_size``, as ``collectives.init_process_group`` takes them.
 
     Raises:
-        ValueError: for an unusable backend.
-        TypeError: for another keyword argument.
-        RuntimeError: when a process group already exists.
+        ValueError: for an unusable backend, or one other than the group's that a spawner
+            already made for this worker.
+        TypeError: for another keyword argument, or options for a group the spawner made.
+        RuntimeError: when a process group already exists (and no spawner made it).
     """
     name = check_backend(backend, "idist.initialize")
     unknown = sorted(set(kwargs) - set(_INIT_KWARGS))
@@ -129,21 +196,51 @@ def initialize(backend: str | None = None, **kwargs: Any) -> None:
         raise TypeError(
             f"idist.initialize: unexpected arguments {unknown}; accepted: {_INIT_KWARGS}"
         )
+    worker = current_worker()
+    if worker is not None and worker.in_group and collectives.is_initialized():
+        _adopt(worker, name, kwargs)
+        return
     if collectives.is_initialized():
         raise RuntimeError(
             "idist.initialize: a process group already exists; call idist.finalize() first"
         )
-    timeout = kwargs.pop("timeout", None)
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    seconds = float(timeout) if timeout is not None else 300.0
+    seconds = _seconds(kwargs.pop("timeout", None), worker.timeout if worker else None)
     if kwargs:
         # An explicit rendezvous (tcp://, or rank and world size given): exactly as asked.
         collectives.init_process_group(name, timeout=seconds, **kwargs)
-        return
-    # collectives.Parallel is the one place that tells a launched rank from a lone process
-    # (torchrun variables, mpiexec's); entered without spawning it just joins or starts alone.
-    collectives.Parallel(backend=name, timeout=seconds).__enter__()
+    elif worker is not None:
+        # The seed's spawn: the spawner set this rank's environment (or bound this rank
+        # thread) and left the joining to the worker. Alone is serial, as everywhere here.
+        chosen = name or worker.backend
+        if worker.nprocs == 1 and worker.backend != "threads":
+            chosen = "serial"
+        collectives.init_process_group(chosen, timeout=seconds)
+    else:
+        # collectives.Parallel is the one place that tells a launched rank from a lone
+        # process (torchrun variables, mpiexec's); entered without spawning it just joins
+        # or starts alone.
+        collectives.Parallel(backend=name, timeout=seconds).__enter__()
+    if worker is not None:
+        worker.joined = True
+
+
+def _adopt(worker: _Worker, name: str | None, kwargs: dict[str, Any]) -> None:
+    """``initialize`` in a worker the spawner has already joined: the group is the one asked
+    for (no backend, or the spawner's), or the call is an error."""
+    have = collectives.get_backend()
+    if name is not None and name not in (worker.backend, have):
+        raise ValueError(
+            f"idist.initialize({name!r}): this worker is already in the group its spawner "
+            f"made on backend {worker.backend or have!r}; give the backend to idist.spawn or "
+            "idist.Parallel, or call initialize() without one"
+        )
+    if kwargs:
+        raise TypeError(
+            f"idist.initialize: this worker is already in the group its spawner made; "
+            f"{sorted(kwargs)} are the spawner's options (pass them to idist.spawn or "
+            "idist.Parallel)"
+        )
+    worker.joined = True
 
 
 def finalize() -> None:
@@ -154,13 +251,6 @@ def finalize() -> None:
     forget_groups()
     collectives.destroy_process_group()
     _ext_local_rank = None
-
-
-def sync(temporary: bool = False) -> None:
-    """Nothing to do: every ``idist`` call reads the process group as it is now.
-
-    Kept so that Ignite scripts which call it after making a group by hand run unchanged.
-    """
 
 
 def backend() -> str | None:
@@ -184,6 +274,16 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     """Number of ranks (1 outside any group)."""
+    return collectives.get_world_size()
+
+
+def rank() -> int:
+    """This process's global rank (0 outside any group): the seed's name for :func:`get_rank`."""
+    return collectives.get_rank()
+
+
+def world_size() -> int:
+    """Number of ranks (1 outside any group): the seed's name for :func:`get_world_size`."""
     return collectives.get_world_size()
 
 

@@ -1,5 +1,11 @@
 """Ignite's collective helpers on tensorlib Tensors, Python numbers and strings.
 
+Each takes Ignite's argument order and the seed's: ``all_reduce(tensor, op, group)`` and
+``all_reduce(tensor, group, op)``, ``broadcast(tensor, src, safe_mode)`` and
+``broadcast(tensor, src, group)``, ``sync(temporary)`` and ``sync(group)``. They are told
+apart by type: a string is an op, a bool is a flag, and a group (what :func:`new_group`
+returned, or a list of global ranks) is a group.
+
 Result shapes follow Ignite: ``all_reduce`` returns the reduced value (the same Tensor,
 reduced in place, or a number); ``all_gather`` concatenates tensors along the first axis
 (a 0-d tensor counts as shape ``(1,)``), and gives a list for a number, a string or another
@@ -26,17 +32,34 @@ from tensorlib import Tensor
 
 from ._config import device, is_distributed
 
-__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "forget_groups", "new_group"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "forget_groups",
+    "new_group",
+    "sync",
+]
 
 _OPS = {"SUM": "sum", "PRODUCT": "prod", "PROD": "prod", "MIN": "min", "MAX": "max"}
 _OPS["AVG"] = "avg"
-# Groups made from rank lists (``group=[1, 2]``), reused by later calls with the same list.
-_list_groups: dict[tuple[int, tuple[int, ...]], Any] = {}
+# Groups made from rank lists (``group=[1, 2]``), reused by later calls with the same list:
+# (id of the default group, ranks) -> (that default group, the group made).
+_list_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
 
 
 def forget_groups() -> None:
-    """Drop the groups made from rank lists (the world they belong to is going away)."""
-    _list_groups.clear()
+    """Drop the groups made from rank lists in the calling rank's world (it is going away).
+
+    Only this world's: rank threads of a threads job share this module, and one rank leaving
+    must not make another remake its groups (a collective only that rank would call).
+    """
+    if not collectives.is_initialized():
+        return
+    mine = collectives.get_default_group()
+    for key in [k for k, (world, _) in _list_groups.items() if world is mine]:
+        del _list_groups[key]
 
 
 def _is_number(x: Any) -> bool:
@@ -54,18 +77,29 @@ def _group(group: Any, where: str) -> Any:
         ranks = _ranks(group, where)
         if not is_distributed():
             return None
-        key = (id(collectives.get_default_group()), tuple(sorted(ranks)))
-        if key not in _list_groups:
+        world = collectives.get_default_group()
+        key = (id(world), tuple(sorted(ranks)))
+        known = _list_groups.get(key)
+        if known is None or known[0] is not world:
             # Collective: every rank of the job makes the call with this list (members get
             # the result, the others their input back).
-            _list_groups[key] = collectives.new_group(ranks)
-        return _list_groups[key]
-    if isinstance(group, collectives.ProcessGroup | collectives.NonMemberGroup):
+            known = _list_groups[key] = (world, collectives.new_group(ranks))
+        return known[1]
+    if _is_group(group):
         return group
     raise ValueError(
         f"{where}: group must be a list of int ranks or what idist.new_group returned, got "
         f"{group!r}"
     )
+
+
+def _is_group(x: Any) -> bool:
+    return isinstance(x, collectives.ProcessGroup | collectives.NonMemberGroup)
+
+
+def _is_group_like(x: Any) -> bool:
+    """A group or a list of ranks (what ``group=`` takes), told apart from an op or a flag."""
+    return _is_group(x) or isinstance(x, list | tuple)
 
 
 def _ranks(ranks: Any, where: str) -> list[int]:
@@ -98,21 +132,29 @@ def _in_place(pg: Any, t: Any, fn: str, *args: Any) -> Any:
     return tl.from_array(tmp) if isinstance(t, Tensor) else tmp
 
 
-def all_reduce(tensor: Any, op: str = "SUM", group: Any = None) -> Any:
+def all_reduce(tensor: Any, op: Any = "SUM", group: Any = None) -> Any:
     """Reduce ``tensor`` across the ranks and return the result.
+
+    Ignite's order ``all_reduce(tensor, "MAX", group)`` and the seed's
+    ``all_reduce(tensor, group, "MAX")`` (or ``all_reduce(tensor, group)``) both work: a
+    string is the op, a group or a list of ranks is the group.
 
     Args:
         tensor: a tensorlib Tensor or NumPy array (reduced in place and returned), or a
             Python number (the reduced number is returned: an int stays an int).
-        op: ``"SUM"``, ``"PRODUCT"``, ``"MIN"``, ``"MAX"`` (or ``"AVG"``), any case.
+        op: ``"SUM"``, ``"PRODUCT"``, ``"MIN"``, ``"MAX"`` (or ``"AVG"``), any case (None:
+            ``"SUM"``); or, in the seed's order, the group.
         group: None (every rank), a list of global ranks (every rank makes the call; the
-            ranks outside it get ``tensor`` back), or what :func:`new_group` returned.
+            ranks outside it get ``tensor`` back), or what :func:`new_group` returned; or, in
+            the seed's order, the op.
 
     Raises:
         TypeError: for another input type (a string, a list...).
         ValueError: for an unknown ``op`` or ``group``.
     """
-    rop = _op(op)
+    if isinstance(group, str) or (group is None and _is_group_like(op)):
+        op, group = group, op  # the seed's order: (tensor, group, op)
+    rop = _op("SUM" if op is None else op)
     if not isinstance(tensor, Tensor | np.ndarray) and not _is_number(tensor):
         raise TypeError(
             f"idist.all_reduce: unhandled input type {type(tensor).__name__}; expected a "
@@ -166,8 +208,12 @@ def all_gather(tensor: Any, group: Any = None) -> Any:
     return tl.from_array(out) if isinstance(tensor, Tensor) else out
 
 
-def broadcast(tensor: Any, src: int = 0, safe_mode: bool = False) -> Any:
-    """Send global rank ``src``'s value to every rank and return it.
+def broadcast(tensor: Any, src: int = 0, safe_mode: Any = False, group: Any = None) -> Any:
+    """Send global rank ``src``'s value to every rank (of ``group``) and return it.
+
+    Ignite's ``broadcast(tensor, src, safe_mode)`` and the seed's
+    ``broadcast(tensor, src, group)`` both work: a bool is ``safe_mode``, a group or a list
+    of ranks is the group.
 
     Args:
         tensor: a Tensor (or array), a number, a string or a ``pathlib.Path``. Without
@@ -175,15 +221,23 @@ def broadcast(tensor: Any, src: int = 0, safe_mode: bool = False) -> Any:
             shape and dtype, filled in place); with it the other ranks may pass anything,
             None included, and receive a new value of the source's type (a Tensor of its
             shape and dtype, on this rank's :func:`device`).
-        src: the source's global rank.
+        src: the source's global rank (a member of ``group``).
         safe_mode: let the ranks other than ``src`` not know what they receive (one more,
-            small broadcast first).
+            small broadcast first); or, in the seed's order, the group.
+        group: None (every rank), a list of global ranks (every rank makes the call; the
+            ranks outside it get ``tensor`` back), or what :func:`new_group` returned.
 
     Raises:
         TypeError: for another input type.
-        ValueError: for None on ``src``, None elsewhere without ``safe_mode``, or a ``src``
-            that is not a rank.
+        ValueError: for None on ``src``, None elsewhere without ``safe_mode``, a ``src``
+            that is not a rank (of ``group``), or an unknown ``group``.
     """
+    if group is None and _is_group_like(safe_mode):
+        safe_mode, group = False, safe_mode  # the seed's order: (tensor, src, group)
+    if not isinstance(safe_mode, bool | np.bool_):
+        raise ValueError(
+            f"idist.broadcast: safe_mode must be a bool (or, third, a group), got {safe_mode!r}"
+        )
     kinds = (Tensor, np.ndarray, str, Path)
     if tensor is not None and not (isinstance(tensor, kinds) or _is_number(tensor)):
         raise TypeError(
@@ -201,8 +255,12 @@ def broadcast(tensor: Any, src: int = 0, safe_mode: bool = False) -> Any:
                 f"idist.broadcast: rank {rank} passed None, which needs safe_mode=True (the "
                 f"source rank {src} then tells the others its value's type, shape and dtype)"
             )
-    pg = _group(None, "idist.broadcast")
+    pg = _group(group, "idist.broadcast")
     if pg is None:
+        return tensor
+    if src not in pg.ranks:
+        raise ValueError(f"idist.broadcast: src={src} is not in the group's ranks {list(pg.ranks)}")
+    if not pg.is_member():
         return tensor
     if safe_mode:
         return _broadcast_safe(pg, tensor, src, rank == src)
@@ -251,10 +309,47 @@ def _broadcast_safe(pg: Any, tensor: Any, src: int, is_src: bool) -> Any:
     return _in_place(pg, here, "broadcast", src)
 
 
-def barrier() -> None:
-    """Wait until every rank arrived (a no-op outside any group)."""
-    if collectives.is_initialized():
-        collectives.barrier()
+def barrier(group: Any = None) -> None:
+    """Wait until every rank (of ``group``) arrived; a no-op outside any group.
+
+    Args:
+        group: None (every rank), a list of global ranks (every rank makes the call; the
+            ranks outside it go on at once), or what :func:`new_group` returned.
+
+    Raises:
+        ValueError: for an unknown ``group``.
+    """
+    pg = _group(group, "idist.barrier")
+    if pg is not None and pg.is_member():
+        pg.barrier()
+
+
+def sync(group: Any = None, temporary: bool | None = None) -> None:
+    """Synchronize the ranks (of ``group``): the seed's ``sync(group=None)``, a barrier.
+
+    In Ignite, ``sync(temporary=False)`` re-reads a process group made by hand; ``idist``
+    caches nothing, so that form (a bool, or ``temporary=``) has nothing to do. The seed's
+    form waits for every rank of the group, as :func:`barrier`; an Ignite script calling
+    ``sync()`` on every rank after making its group by hand meets there once, harmlessly.
+
+    Args:
+        group: None (every rank), a list of global ranks, or what :func:`new_group`
+            returned; a bool here is Ignite's ``temporary``.
+        temporary: Ignite's flag (accepted; nothing to do).
+
+    Raises:
+        ValueError: for an unknown ``group``, or both a group and ``temporary``.
+    """
+    if isinstance(group, bool | np.bool_):
+        group, temporary = None, bool(group)  # Ignite's sync(temporary)
+    if temporary is not None:
+        if group is not None:
+            raise ValueError(
+                "idist.sync: give a group (the seed's sync(group), a barrier) or Ignite's "
+                "temporary flag, not both"
+            )
+        return  # Ignite's form: nothing is cached, so nothing to refresh
+    barrier(group)
 
 
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:

@@ -18,7 +18,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ignite_common import create_datasets, create_model, log, make_parser, parse
+from ignite_common import (
+    create_dataloader,
+    create_datasets,
+    create_model,
+    log,
+    make_parser,
+    parse,
+)
 
 import ddp.idist as idist
 import tensorlib as tl
@@ -39,10 +46,8 @@ def training(local_rank: int, config: dict[str, Any]) -> float:
     # Auto-configure model, optimizer, and dataloader
     model = idist.auto_model(model)
     optimizer = idist.auto_optim(optimizer)
-    # seed: train_loader = idist.auto_dataloader(train_loader)
-    train_loader = idist.auto_dataloader(
-        train_set, batch_size=config["batch_size"], shuffle=True, drop_last=True
-    )
+    train_loader = create_dataloader(train_set, config["batch_size"])
+    train_loader = idist.auto_dataloader(train_loader)
 
     # Create trainer
     trainer = create_supervised_trainer(model, optimizer, criterion, device=idist.device())

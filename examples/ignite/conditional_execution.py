@@ -67,11 +67,11 @@ def training(local_rank: int, config: dict[str, Any]) -> float:
     trainer.add_event_handler(Events.COMPLETED, lambda _: save_checkpoint())
 
     # Manual rank checking
-    if idist.get_rank() == 0:  # seed: idist.rank()
+    if idist.rank() == 0:
         print("This runs only on the master process", flush=True)
 
     trainer.run(train_loader, max_epochs=config["epochs"])
-    if idist.get_rank() == 0:  # seed: idist.rank()
+    if idist.rank() == 0:
         print(f"final test accuracy: {metrics['acc']:.2%}  loss: {metrics['loss']:.4f}")
     return float(metrics["acc"])
 

@@ -48,7 +48,7 @@ def training(local_rank: int, config: dict[str, Any]) -> float:
     log(f"world size {idist.get_world_size()} ({idist.backend() or 'serial'} backend)")
 
     # Check if distributed
-    if idist.get_world_size() > 1:  # seed: idist.world_size()
+    if idist.world_size() > 1:
         # Broadcast model parameters from rank 0
         for param in model.parameters():
             idist.broadcast(param.data, src=0)
@@ -58,13 +58,13 @@ def training(local_rank: int, config: dict[str, Any]) -> float:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        if idist.get_world_size() > 1:  # seed: idist.world_size()
+        if idist.world_size() > 1:
             # All-reduce gradients (every rank's batch has the same size: the mean of the
             # ranks' means is the global batch's mean)
             for param in model.parameters():
                 if param.grad is not None:
                     idist.all_reduce(param.grad.data)
-                    param.grad.data /= idist.get_world_size()  # seed: idist.world_size()
+                    param.grad.data /= idist.world_size()
         optimizer.step()
 
         # Gather loss from all processes

@@ -17,7 +17,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ignite_common import create_datasets, create_model, log, make_parser, parse
+from ignite_common import (
+    create_dataloader,
+    create_datasets,
+    create_model,
+    log,
+    make_parser,
+    parse,
+)
 
 import ddp.idist as idist
 import tensorlib as tl
@@ -38,10 +45,8 @@ def training(local_rank: int, config: dict[str, Any]) -> float:
     # Auto-configure components
     model = idist.auto_model(model)
     optimizer = idist.auto_optim(optimizer)  # Horovod would wrap it; DDP needs no wrapper
-    # seed: train_loader = idist.auto_dataloader(train_loader)
-    train_loader = idist.auto_dataloader(
-        train_set, batch_size=config["batch_size"], shuffle=True, drop_last=True
-    )
+    train_loader = create_dataloader(train_set, config["batch_size"])
+    train_loader = idist.auto_dataloader(train_loader)
 
     # Broadcast initial parameters (auto_model's DDP broadcasts rank 0's weights already)
     idist.all_reduce(tl.tensor(0.0))  # Dummy reduce to ensure initialization

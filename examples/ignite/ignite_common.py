@@ -2,7 +2,9 @@
 
 The page's snippets use a ``model``, a ``train_loader``, an ``optimizer`` and a ``criterion``
 they never define (``create_model()``, ``create_dataloader()``). Here they are scikit-learn's
-8x8 digits (see ../train_mlp.py) and a small MLP without dropout, so that one process and N
+8x8 digits (see ../train_mlp.py) in a one-process ``ddp.DataLoader`` (which the page's
+``idist.auto_dataloader(train_loader)`` then gives each rank its share of) and a small MLP
+without dropout, so that one process and N
 ranks train on the same global batches from the same initial weights and reach the same
 accuracy. This module also holds the scripts' common command line and the one-line exit for
 a backend this machine lacks (horovod, xla-tpu, nccl without GPUs).
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+import ddp
 import ddp.idist as idist
 import tensorlib as tl
 from tensorlib import nn
@@ -24,7 +27,15 @@ from tensorlib import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train_mlp.py holds the split
 from train_mlp import load_digits_split
 
-__all__ = ["create_datasets", "create_model", "log", "make_parser", "parse", "require_backend"]
+__all__ = [
+    "create_dataloader",
+    "create_datasets",
+    "create_model",
+    "log",
+    "make_parser",
+    "parse",
+    "require_backend",
+]
 
 Dataset = tuple[np.ndarray, np.ndarray]
 
@@ -46,6 +57,12 @@ def create_datasets(seed: int) -> tuple[Dataset, Dataset]:
     """``((x_train, y_train), (x_test, y_test))``: the digits, split and standardized."""
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     return (x_train, y_train), (x_test, y_test)
+
+
+def create_dataloader(data: Dataset, batch_size: int) -> ddp.DataLoader:
+    """The training loader of one process: shuffled, the tail of each epoch dropped (so every
+    world size trains on the same global batches); ``batch_size`` is the global batch."""
+    return ddp.DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
 
 
 @idist.one_rank_only()

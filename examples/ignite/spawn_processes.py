@@ -1,18 +1,22 @@
 """Ignite's "Process Management with Spawn" on ``ddp.idist``: ``idist.spawn`` starts the workers.
 
-Every worker says it started, then trains; rank 0 logs and prints the test accuracy.
-``idist.spawn`` has already joined each worker to the group when it calls it (as Ignite's
-does), so the page's ``idist.initialize()`` in the worker is done in ``main`` instead, for a
-process that runs the worker itself (alone, or as one of a launcher's ranks):
+The page's code: ``idist.spawn(train_worker, args=(world_size, config), nprocs=N,
+join=True)`` starts the workers, each of which says it started, joins the group with
+``idist.initialize()``, trains, and leaves with ``idist.finalize()``; rank 0 logs and prints
+the test accuracy. Without ``--nproc`` this process is the one worker (alone, or one of a
+launcher's ranks, which the launcher's RANK and WORLD_SIZE name):
 
     python examples/ignite/spawn_processes.py                    # alone: this process works
     python examples/ignite/spawn_processes.py --nproc 2          # idist.spawn starts 2 workers
     python -m collectives.run --nproc-per-node 2 examples/ignite/spawn_processes.py
     python examples/ignite/spawn_processes.py --backend threads --nproc 2   # 2 worker threads
+
+``--backend`` is the one the workers' ``idist.initialize()`` joins (none: chosen, cpu here).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -32,12 +36,11 @@ def train_worker(rank: int, world_size: int, config: dict[str, Any]) -> float:
     sys.stdout.write(f"Worker {rank} of {world_size} started\n")
     sys.stdout.flush()
 
-    # Initialize backend within worker
-    # seed: idist.initialize() -- idist.spawn (or main, for a lone or launched process) has
-    # joined this worker to the group already; it only checks the group is the one expected.
-    if idist.get_world_size() != world_size:
+    # Initialize backend within worker (config["backend"]: --backend, None by default)
+    idist.initialize(config["backend"])
+    if idist.world_size() != world_size:
         raise RuntimeError(
-            f"worker {rank}: expected {world_size} ranks, the group has {idist.get_world_size()}"
+            f"worker {rank}: expected {world_size} ranks, the group has {idist.world_size()}"
         )
 
     # Training code here
@@ -62,27 +65,26 @@ def train_worker(rank: int, world_size: int, config: dict[str, Any]) -> float:
     metrics = evaluator.run(test_loader).metrics
     log(f"final test accuracy: {metrics['acc']:.2%}  loss: {metrics['loss']:.4f}")
 
-    # seed: idist.finalize() -- idist.spawn (or main) destroys the group after the worker
+    idist.finalize()
     return float(metrics["acc"])
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the example as the command line asks; 0 when it ran to its end."""
     args, config = parse(make_parser(__doc__), argv)
+    config["backend"] = args.backend
     if args.nproc is None:
         # No workers to spawn: this process is the worker (alone, or a launched rank).
-        idist.initialize(args.backend)
-        train_worker(idist.get_rank(), idist.get_world_size(), config)
-        idist.finalize()
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        train_worker(rank, world_size, config)
         return 0
-    # Spawn workers
-    # seed: idist.spawn(train_worker, args=(4, config), nprocs=4, join=True)
+    # Spawn workers (backend: what their initialize() joins; "threads" makes them threads)
     idist.spawn(
-        args.backend or "cpu",
         train_worker,
         args=(args.nproc, config),  # world_size, config
-        nproc_per_node=args.nproc,
+        nprocs=args.nproc,
         join=True,
+        backend=args.backend,
     )
     return 0
 

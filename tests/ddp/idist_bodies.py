@@ -250,3 +250,139 @@ def sync_parameters_case(src: int) -> dict[str, Any]:
     for (name, p), q in zip(model.named_parameters(), want.parameters(), strict=True):
         _eq(p.numpy(), q.numpy(), f"parameter {name} after sync_parameters(src={src})")
     return {"count": n}
+
+
+# ---------------------------------------------------------------------- the seed's forms
+def seed_order_cases() -> dict[str, Any]:
+    """The seed's names and argument orders beside Ignite's: ``rank()``/``world_size()``,
+    ``all_reduce(tensor, group, op)``, ``broadcast(tensor, src, group)``, ``barrier(group)``.
+    Returns what the ranks outside a subgroup and inside it got."""
+    ws, rank = idist.world_size(), idist.rank()
+    _eq((ws, rank), (idist.get_world_size(), idist.get_rank()), "rank()/world_size()")
+    everyone = list(range(ws))
+    total, product = ws * (ws + 1) // 2, int(np.prod(range(1, ws + 1)))
+    _eq(idist.all_reduce(rank + 1, None, "MAX"), ws, "seed order (tensor, None, op)")
+    _eq(idist.all_reduce(rank + 1, everyone, "PRODUCT"), product, "seed (tensor, ranks, op)")
+    _eq(idist.all_reduce(rank + 1, everyone), total, "seed (tensor, ranks)")
+    _eq(idist.all_reduce(rank + 1, "MIN", everyone), 1, "Ignite's (tensor, op, ranks)")
+    _eq(idist.all_reduce(rank + 1, group=everyone, op="MAX"), ws, "keywords")
+    t = tl.tensor([float(rank)])
+    _eq(idist.all_reduce(t, None, "MAX"), np.array([ws - 1.0], np.float32), "tensor, seed")
+    got = idist.broadcast(tl.tensor([float(rank)]), ws - 1, everyone)
+    _eq(got, np.array([ws - 1.0], np.float32), "seed broadcast(tensor, src, ranks)")
+    got = idist.broadcast(f"r{rank}" if rank == ws - 1 else None, ws - 1, True)
+    _eq(got, f"r{ws - 1}", "Ignite's broadcast(tensor, src, safe_mode)")
+    idist.barrier(everyone)
+    _raises(ValueError, "unsupported reduction operation", idist.all_reduce, 1, everyone, [0])
+    out: dict[str, Any] = {}
+    if ws > 1:
+        tail = list(range(1, ws))  # every rank but 0
+        g = idist.new_group(tail)
+        out["max_by_group"] = idist.all_reduce(rank, g, "MAX")
+        out["sum_by_list"] = idist.all_reduce(rank, tail)
+        here = idist.broadcast(tl.tensor([float(rank)]), 1, g)
+        out["from_1"] = here.numpy().tolist()
+        mine = idist.broadcast("hello" if rank == 1 else None, 1, group=tail, safe_mode=True)
+        out["safe_from_1"] = mine
+        idist.barrier(g)
+        idist.sync(tail)
+        _raises(ValueError, "src=0 is not in the group's ranks", idist.broadcast, 1, 0, g)
+    return out
+
+
+def _await_file(path: Path, what: str) -> None:
+    if not path.exists():
+        raise AssertionError(f"{what}: rank {idist.rank()} went on before {path.name} existed")
+
+
+def sync_waits_case(tmp: str, call: str) -> bool:
+    """The last rank writes a file late, then every rank calls the synchronization ``call``;
+    after it every rank finds the file (the call waited for the writer)."""
+    import time
+
+    ws, rank = idist.world_size(), idist.rank()
+    path = Path(tmp) / f"{call}-{ws}-{idist.backend()}.txt"
+    if rank == ws - 1:
+        time.sleep(0.2)  # late on purpose: a call that does not wait would miss the file
+        path.write_text("done")
+    if call == "sync":
+        idist.sync()
+    elif call == "sync_group":
+        idist.sync(list(range(ws)))
+    elif call == "barrier_group":
+        idist.barrier(list(range(ws)))
+    _await_file(path, call)
+    return True
+
+
+def ignite_sync_is_local_case() -> int:
+    """Ignite's ``sync(temporary)`` re-reads nothing and waits for nobody: rank 0 alone may
+    call it, and the next collective still pairs up."""
+    if idist.rank() == 0:
+        idist.sync(True)
+        idist.sync(temporary=False)
+    _raises(ValueError, "not both", idist.sync, [0], temporary=True)
+    return int(idist.all_reduce(1))
+
+
+def one_rank_only_waits_case(tmp: str) -> bool:
+    """``@one_rank_only()`` waits by default (the seed's default): after the call, the file
+    the last rank wrote late is there on every rank."""
+    import time
+
+    ws = idist.world_size()
+    path = Path(tmp) / f"ckpt-{ws}-{idist.backend()}.txt"
+
+    @idist.one_rank_only(rank=ws - 1)
+    def save() -> None:
+        time.sleep(0.2)  # late on purpose: a call that does not wait would miss the file
+        path.write_text("saved")
+
+    save()
+    _await_file(path, "one_rank_only()")
+    return True
+
+
+def loader_share_case(n: int, batch: int, shuffle: bool, drop_last: bool) -> dict[str, Any]:
+    """``auto_dataloader(existing DataLoader)``: this rank's batches (sample ids), per step."""
+    ws = idist.world_size()
+    x = np.arange(n, dtype=np.int64)
+    loader = ddp.DataLoader((x, x * 10), batch_size=batch, shuffle=shuffle, drop_last=drop_last)
+    loader.set_epoch(2)
+    mine = idist.auto_dataloader(loader)
+    if ws == 1:
+        if mine is not loader:
+            raise AssertionError("at world size 1 the loader itself is its one rank's share")
+    else:
+        if not isinstance(mine.sampler, ddp.DistributedSampler):
+            raise AssertionError(f"no DistributedSampler: {mine.sampler!r}")
+        _eq(mine.sampler.num_replicas, ws, "sampler's num_replicas")
+        _eq(mine.sampler.rank, idist.rank(), "sampler's rank")
+        _eq(mine.sampler.shuffle, shuffle, "shuffle kept")
+        _eq(mine.sampler.epoch, 2, "epoch kept")
+    _eq(mine.batch_size, batch // ws, "per-rank batch of the loader's (global) batch")
+    _eq(mine.drop_last, drop_last, "drop_last kept")
+    batches = []
+    for xb, yb in mine:
+        _eq(yb.numpy(), xb.numpy() * 10, "the arrays stay paired")
+        batches.append(xb.numpy().tolist())
+    again = idist.auto_dataloader(loader, batch_size=2 * ws)  # keywords override the loader's
+    _eq(again.batch_size, 2, "batch_size override")
+    out: dict[str, Any] = {"batches": batches}
+    if ws > 1:
+        odd = ddp.DataLoader((x,), batch_size=ws + 1)
+        try:
+            idist.auto_dataloader(odd)
+        except ValueError as exc:
+            out["error"] = str(exc)
+        sampled = ddp.DataLoader((x,), batch_size=ws, sampler=np.arange(n)[::-1].copy())
+        _raises(ValueError, "already decides which samples", idist.auto_dataloader, sampled)
+    return out
+
+
+def sleeper(rank: int, path: str, seconds: float) -> None:
+    """A spawned rank that writes ``path`` after ``seconds`` (``spawn(..., daemon=...)``)."""
+    import time
+
+    time.sleep(seconds)
+    Path(path).write_text("done")
