@@ -4,10 +4,11 @@ Helpers in the spirit of PyTorch Ignite's ``idist`` and Horovod: a distributed s
 data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only``, rank-0
 atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`` API),
 ``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients);
-``ddp.learner`` (Burn's Learner, SupervisedTraining and ExecutionStrategy).
+``ddp.learner`` (Burn's Learner, SupervisedTraining and ExecutionStrategy); ``ddp.axon``
+(axonml-distributed's API: World, ProcessGroup, MockBackend, GradientBucket...).
 """
 
-from . import functional, idist, learner
+from . import axon, functional, idist, learner
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._data import DataLoader
@@ -29,6 +30,7 @@ __all__ = [
     "auto_dataloader",
     "auto_model",
     "auto_optim",
+    "axon",
     "fp16_compress_hook",
     "functional",
     "idist",

@@ -269,6 +269,89 @@ class DistributedDataParallel(Module):
             self.require_forward_param_sync = syncing
         return out
 
+    # ------------------------------------------------------------------ axonml's manual calls
+    def sync_parameters(self) -> int:
+        """Copy the group's first rank's parameters and buffers into every rank's model.
+
+        axonml's loop calls ``ddp.sync_parameters()`` once before training. Construction
+        already did this copy, so at that point nothing changes; later (a rank loaded other
+        weights, or changed some by hand) it makes every rank's model equal again. It is a
+        collective: every rank of the group calls it, at the same point.
+
+        Returns:
+            The number of tensors copied (parameters and buffers; 0 at world size 1, where
+            there is nothing to copy from).
+
+        Raises:
+            RuntimeError: during a backward that did not finish synchronizing, or inside
+                :func:`ddp.join` (whose ranks without data could not take part).
+        """
+        head = where(collectives.get_rank(), "DistributedDataParallel.sync_parameters")
+        if self.reducer.in_backward or self.reducer.join is not None:
+            raise RuntimeError(
+                f"{head}: called "
+                + (
+                    "after a backward that did not finish synchronizing gradients (did it "
+                    "raise?); the ranks may now disagree on the order of collectives"
+                    if self.reducer.in_backward
+                    else "inside a join block, where ranks that ran out of data only mirror "
+                    "the others' forward and backward; call it before or after the block"
+                )
+            )
+        broadcast_module_state(self.process_group, self.module)
+        if self.process_group.size == 1:
+            return 0
+        return sum(1 for _ in self.module.parameters()) + sum(1 for _ in self.module.buffers())
+
+    def sync_gradients(self) -> StepStats:
+        """axonml's ``ddp.sync_gradients()`` after backward: check that backward did it.
+
+        axonml's DDP keeps gradients local until the loop calls ``sync_gradients()``. Here
+        ``loss.backward()`` itself averages every gradient over the group (bucketed, each
+        bucket's all-reduce overlapping the rest of backward), so by the time the loop calls
+        this, the gradients already hold the average. Reducing them again would cost a second
+        all-reduce of every gradient (and, under a lossy comm hook such as fp16 compression,
+        change them), so this method issues no reduction. It verifies instead that the
+        gradients the model holds now are the automatic sync's result: that a synchronized
+        backward ran to its end and no backward under :meth:`no_sync` added local gradients
+        since. On nccl it also waits for that backward's pending check that no rank missed a
+        parameter (read at the next backward otherwise). Anything else raises, so
+        unsynchronized gradients never reach the optimizer silently.
+
+        Returns:
+            What the backward that synchronized the gradients did (:class:`ddp.StepStats`:
+            its buckets in launch order, how many launched during backward).
+
+        Raises:
+            RuntimeError: when no synchronized backward has run since the model was wrapped
+                (call it after ``loss.backward()``); when the last backward raised before it
+                finished synchronizing; when gradients were accumulated under ``no_sync()``
+                since the last synchronized backward (they are this rank's alone: run the
+                accumulation's last backward outside ``no_sync()``, which averages the sum);
+                or, on every rank, when some rank missed a parameter in that backward.
+        """
+        reducer = self.reducer
+        head = where(collectives.get_rank(), "DistributedDataParallel.sync_gradients")
+        if reducer.in_backward:
+            raise RuntimeError(
+                f"{head}: the last backward did not finish synchronizing gradients (did it "
+                "raise?); its gradients are not averaged"
+            )
+        if reducer.buckets and not reducer.stats.launch_order:
+            raise RuntimeError(
+                f"{head}: no synchronized backward has run since the model was wrapped, so no "
+                "gradient has been averaged yet; call it after loss.backward() (which averages "
+                "the gradients over the group by itself)"
+            )
+        if reducer._accumulated.any():
+            raise RuntimeError(
+                f"{head}: gradients were accumulated under no_sync() since the last synchronized "
+                "backward and hold this rank's values only; run the last backward of the "
+                "accumulation outside no_sync(): it averages the accumulated sum"
+            )
+        reducer._check_deferred()  # nccl: that backward's check, otherwise read next step
+        return reducer.stats
+
     # ------------------------------------------------------------------ delegation
     def state_dict(self) -> Any:
         """The wrapped module's state dict (no ``module.`` prefix)."""

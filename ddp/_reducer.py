@@ -5,9 +5,10 @@
 
 * Gradients live in flat bucket buffers, one set per (dtype, device), filled in reverse
   parameter order (the order backward produces them); the first bucket is small so that
-  communication starts early. Each parameter's ``.grad`` is a view into its bucket. On the
-  cpu backend the buffers come from ``group.alloc`` (shared memory every rank maps), so the
-  all-reduce moves no data in or out.
+  communication starts early. The plan and the layout are the package's one bucketing
+  (``ddp/_buckets.py``, which :func:`ddp.sync_gradients` uses too). Each parameter's
+  ``.grad`` is a view into its bucket. On the cpu backend the buffers come from
+  ``group.alloc`` (shared memory every rank maps), so the all-reduce moves no data in or out.
 * tensorlib calls a hook right after each parameter's gradient was accumulated. When a
   bucket's last gradient arrives, its asynchronous all-reduce starts on the group's
   communication thread (in bucket order on every rank) while backward goes on. A callback
@@ -36,6 +37,7 @@ import tensorlib as tl
 from collectives import ProcessGroup, ReduceOp, Work, where
 from tensorlib import Tensor
 
+from ._buckets import FlatBucket, plan_buckets
 from ._hooks import GradBucket, allreduce_hook
 
 if TYPE_CHECKING:
@@ -47,21 +49,13 @@ CommHook = Callable[[Any, GradBucket], Work]
 
 
 @dataclass
-class Bucket:
-    """One flat gradient buffer and the parameters whose gradients are views into it."""
+class Bucket(FlatBucket):
+    """One flat gradient buffer (its layout: :class:`~ddp._buckets.FlatBucket`) and the
+    parameters whose gradients are views into it."""
 
-    index: int
-    dtype: Any
-    device: Any
+    index: int = 0
     params: list[Any] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    buffer: Any = None
     views: list[Tensor] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * np.dtype(self.dtype).itemsize
 
 
 @dataclass
@@ -173,25 +167,23 @@ class Reducer:
         self._params = params
         self._names = {id(p): n for n, p in named}
         self._index = {id(p): k for k, p in enumerate(params)}
-        cap = int(cap_mb * (1 << 20))
-        first_cap = int(first_mb * (1 << 20))
+        # Reverse order, the order backward produces gradients in; the first bucket of each
+        # kind is small so that its all-reduce starts early.
+        order = params[::-1]
+        plan = plan_buckets(
+            [(p.dtype, p.device) for p in order],
+            [p.size * p.dtype.itemsize for p in order],
+            cap=max(1, int(cap_mb * (1 << 20))),
+            first_cap=max(1, int(first_mb * (1 << 20))),
+        )
         buckets: list[Bucket] = []
-        open_by_kind: dict[tuple[Any, Any], Bucket] = {}
-        counts: dict[tuple[Any, Any], int] = {}
-        for p in reversed(params):
-            kind = (p.dtype, p.device)
-            b = open_by_kind.get(kind)
-            # The first bucket of each kind is small so its all-reduce starts early.
-            limit = first_cap if counts.get(kind, 0) <= 1 else cap
-            size = p.size * p.dtype.itemsize
-            if b is None or (b.numel and b.nbytes + size > limit):
-                b = Bucket(index=len(buckets), dtype=p.dtype, device=p.device)
-                buckets.append(b)
-                open_by_kind[kind] = b
-                counts[kind] = counts.get(kind, 0) + 1
-            b.params.append(p)
-            b.offsets.append(b.numel)
-            b.numel += p.size
+        for members in plan:
+            first = order[members[0]]
+            b = Bucket(first.dtype, first.device, index=len(buckets))
+            for i in members:
+                b.params.append(order[i])
+                b.add(order[i].shape)
+            buckets.append(b)
         group = self.group
         self._loc: dict[int, tuple[int, int]] = {}
         for b in buckets:
@@ -201,9 +193,9 @@ class Reducer:
                 with b.device:
                     buf = b.device.xp.zeros(b.numel, dtype=b.dtype)
             b.buffer = buf
-            for j, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
+            for j, (p, chunk) in enumerate(zip(b.params, b.chunks(), strict=True)):
                 # On the bucket's device: a logical CPU device (cpu:1) is not NumPy's own.
-                view = tl.from_array(buf[off : off + p.size].reshape(p.shape), b.device)
+                view = tl.from_array(chunk, b.device)
                 # An existing gradient moves into its bucket; a missing one stays None (as in
                 # a plain model, so an optimizer step before any backward changes nothing)
                 # until backward produces it and the hook moves it into the view.

@@ -2,16 +2,19 @@
 
 ``DistributedDataParallel`` averages gradients during ``backward()``. Code that keeps its own
 model (model-parallel layers, a replicated bias next to sharded weights, a custom training
-step) calls :func:`sync_gradients` after ``backward()`` instead: the gradients are packed into
-flat buckets of at most ``bucket_cap_mb`` (one per dtype and device), each bucket is reduced by
-one all-reduce, and the results are written back. :func:`sync_parameters` makes every rank's
-parameters and buffers equal to one rank's (what DDP does at construction).
+step) calls :func:`sync_gradients` after ``backward()`` instead: the gradients (of parameters,
+or gradient tensors themselves, as axonml passes them) are packed into flat buckets of at most
+``bucket_cap_mb`` (one per dtype and device: the package's one bucketing, ``ddp/_buckets.py``),
+each bucket is reduced by one all-reduce, and the results are written back.
+:func:`sync_parameters` makes every rank's parameters and buffers equal to one rank's (what
+DDP does at construction).
 
 DDP's own copies of a module's state, :func:`broadcast_module_state` (at construction and at
 the end of a :func:`ddp.join`) and :func:`broadcast_module_buffers` (before a forward that
 follows a synchronizing one, as PyTorch does), live here too.
 
-Outside any process group, or in a group of one, both are no-ops (world size 1).
+Outside any process group, or in a group of one, both communicate nothing: every rank's
+values already are the result (world size 1).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import collectives
 import tensorlib as tl
 from tensorlib import Tensor, nn
 
+from ._buckets import FlatBucket, plan_buckets
+
 __all__ = [
     "broadcast_module_buffers",
     "broadcast_module_state",
+    "reduce_tensors",
     "resolve_group",
     "sync_gradients",
     "sync_parameters",
@@ -54,9 +60,10 @@ def resolve_group(group: Any, where: str) -> Any:
             f"{list(group.ranks)}; call it on the group's members only"
         )
     if not isinstance(group, collectives.ProcessGroup):
+        kind = type(group)
         raise TypeError(
-            f"{where}: group must be a ProcessGroup (from collectives.new_group) or None, got "
-            f"{type(group).__name__}"
+            f"{where}: group must be a collectives.ProcessGroup (from collectives.new_group; a "
+            f"ddp.axon group's is its .group) or None, got {kind.__module__}.{kind.__qualname__}"
         )
     return group if group.size > 1 else None
 
@@ -77,11 +84,19 @@ def sync_gradients(
 ) -> int:
     """Reduce the gradients of ``params`` across ``group``, one all-reduce per bucket.
 
-    Every rank must pass the same parameters (shapes and dtypes) in the same order: the
-    buckets depend on them alone, never on which gradients exist, so every rank issues the
-    same all-reduces. A parameter with ``requires_grad=False`` is skipped; one whose ``.grad``
-    is None takes part as zeros and receives the reduced gradient (as under DDP with
-    ``find_unused_parameters``, the other ranks' contributions still reach it).
+    Each item is one of three things, told apart by what it is:
+
+    * a tensor that requires grad (a parameter): its ``.grad`` is reduced; one whose ``.grad``
+      is None takes part as zeros and receives the reduced gradient (as under DDP with
+      ``find_unused_parameters``, the other ranks' contributions still reach it);
+    * an ``nn.Parameter`` with ``requires_grad=False`` (frozen): skipped;
+    * any other tensor (``requires_grad=False``, not a Parameter): it *is* a gradient, e.g.
+      ``[p.grad for p in params]`` or axonml's list of gradient tensors, and its own values
+      are reduced in place.
+
+    Every rank must pass the same items (shapes and dtypes) in the same order: the buckets
+    depend on them alone, never on which gradients exist, so every rank issues the same
+    all-reduces.
 
     Args:
         params: the tensors (or a module, for all of its parameters).
@@ -89,10 +104,11 @@ def sync_gradients(
         op: ``"avg"`` (data parallelism), ``"sum"`` (a replicated parameter of a
             model-parallel layer, whose ranks each hold part of the gradient), ``"min"``,
             ``"max"`` or ``"prod"``.
-        bucket_cap_mb: the largest bucket in MiB; a larger parameter gets a bucket of its own.
+        bucket_cap_mb: the largest bucket in MiB; a larger tensor gets a bucket of its own.
 
     Returns:
-        The number of all-reduces issued (0 at world size 1).
+        The number of all-reduces issued (0 at world size 1, where every result is the
+        rank's own value).
 
     Raises:
         ValueError: for an unknown ``op`` or a non-positive ``bucket_cap_mb``.
@@ -105,50 +121,67 @@ def sync_gradients(
         raise TypeError(f"{where}: bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
     if not bucket_cap_mb > 0:
         raise ValueError(f"{where}: bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    items = [p for p in _params(params, where) if p.requires_grad]
+    items = _params(params, where)
     pg = resolve_group(group, where)
     if pg is None:
         return 0
-    cap = max(1, int(bucket_cap_mb * 1024 * 1024))
-    count = 0
-    for bucket in _buckets(items, cap):
-        _reduce_bucket(pg, bucket, op.lower())
-        count += 1
+    targets: list[Tensor] = []
+    assign: list[tuple[Tensor, Tensor]] = []  # (parameter, gradient made here) to set after
+    for p in items:
+        if p.requires_grad:
+            g = p.grad
+            if g is None or not g.data.flags.writeable:
+                # No gradient: zeros take part; a read-only one: a copy is reduced.
+                arr = p.device.xp.zeros(p.shape, p.data.dtype) if g is None else g.data.copy()
+                g = tl.from_array(arr, p.device)
+                assign.append((p, g))
+            targets.append(g)
+        elif not isinstance(p, nn.Parameter):
+            targets.append(p)  # a gradient itself: its values are reduced
+    count = reduce_tensors(pg, targets, op.lower(), max(1, int(bucket_cap_mb * (1 << 20))))
+    for p, g in assign:
+        p.grad = g
     return count
 
 
-def _buckets(items: list[Tensor], cap: int) -> list[list[Tensor]]:
-    """Consecutive parameters of one dtype and device, up to ``cap`` bytes each, in order."""
-    by_kind: dict[tuple[str, str], list[list[Tensor]]] = {}
-    sizes: dict[tuple[str, str], int] = {}
-    for p in items:
-        key = (str(p.dtype), str(p.device))
-        nbytes = int(p.data.nbytes)
-        lists = by_kind.setdefault(key, [[]])
-        if lists[-1] and sizes[key] + nbytes > cap:
-            lists.append([])
-            sizes[key] = 0
-        lists[-1].append(p)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    return [b for lists in by_kind.values() for b in lists]
+def reduce_tensors(
+    pg: collectives.ProcessGroup,
+    tensors: list[Tensor],
+    op: str | collectives.ReduceOp,
+    cap: int,
+    unit: str = "bytes",
+) -> int:
+    """Reduce the values of ``tensors`` across ``pg`` in place, one all-reduce per bucket
+    (:func:`ddp._buckets.plan_buckets`, in the order given).
 
+    Args:
+        pg: the group (every member passes the same shapes and dtypes in the same order).
+        tensors: what to reduce; each one's ``.data`` receives the result (written in place
+            when writable: views into it, such as DDP's buckets, stay valid).
+        op: the reduction.
+        cap: the largest bucket, in ``unit``.
+        unit: ``"bytes"`` or ``"elements"``.
 
-def _reduce_bucket(pg: collectives.ProcessGroup, bucket: list[Tensor], op: str) -> None:
-    xp = bucket[0].device.xp
-    parts = [
-        p.grad.data.reshape(-1) if p.grad is not None else xp.zeros(p.data.size, p.data.dtype)
-        for p in bucket
-    ]
-    flat = xp.ascontiguousarray(xp.concatenate(parts))
-    pg.all_reduce(flat, op)
-    start = 0
-    for p in bucket:
-        chunk = flat[start : start + p.data.size].reshape(p.shape)
-        start += p.data.size
-        if p.grad is not None and p.grad.data.flags.writeable:
-            p.grad.data[...] = chunk  # in place: views into the grad (DDP buckets) stay valid
-        else:
-            p.grad = tl.from_array(chunk.copy(), p.device)
+    Returns:
+        The number of all-reduces issued.
+    """
+    if unit not in ("bytes", "elements"):
+        raise ValueError(f"reduce_tensors: unit must be 'bytes' or 'elements', got {unit!r}")
+    sizes = [int(t.data.nbytes) if unit == "bytes" else int(t.data.size) for t in tensors]
+    plan = plan_buckets([(t.dtype, t.device) for t in tensors], sizes, cap)
+    for members in plan:
+        bucket = [tensors[i] for i in members]
+        layout = FlatBucket(bucket[0].dtype, bucket[0].device)
+        for t in bucket:
+            layout.add(t.shape)
+        flat = layout.pack([t.data for t in bucket])
+        pg.all_reduce(flat, op)
+        for t, chunk in zip(bucket, layout.chunks(flat), strict=True):
+            if t.data.flags.writeable:
+                t.data[...] = chunk
+            else:
+                t.data = chunk.copy()
+    return len(plan)
 
 
 def sync_parameters(
