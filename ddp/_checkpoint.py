@@ -221,7 +221,8 @@ def load_checkpoint(
     Args:
         path: the checkpoint file.
         model: an ``nn.Module`` or a ``DistributedDataParallel`` wrapping one; loading is
-            strict (same names and shapes).
+            strict (same names and shapes; dtypes that cast float to float or integer to a
+            fitting integer).
         optimizer: loaded from the checkpoint when given (the checkpoint must have one).
         map_location: where the file's arrays are staged before being copied into the model
             (None: the CPU); the returned ``extra`` Tensors stay there.
@@ -242,7 +243,9 @@ def load_checkpoint(
         FileNotFoundError: when there is no file at ``path``.
         ValueError: when the file is not a checkpoint (not a tensorlib file, no ``model``
             entry), lacks a part that was asked for (optimizer, scheduler, scaler, loader),
-            or does not match the model (missing/unexpected names, shapes) or another part;
+            or does not match the model (missing/unexpected names, shapes, dtypes: see
+            ``Module.load_state_dict`` for the casts allowed) or another part; when the file
+            holds an array ``tensorlib.save`` never writes (text, complex, object);
             ``generators`` without ``rng=True``.
         TypeError: for a wrong argument type.
     """
@@ -386,24 +389,19 @@ def _load_parts(
 
 
 def _check_model_state(module: nn.Module, saved: dict[str, Any], target: Path) -> None:
-    """Strict-load checks (names, shapes) done up front, so a failure changes nothing."""
-    own = module.state_dict()
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
-    shapes = [
-        f"{k}: checkpoint {tuple(getattr(saved[k], 'shape', ()))} vs model {t.shape}"
-        for k, t in own.items()
-        if k in saved and tuple(getattr(saved[k], "shape", ())) != tuple(t.shape)
-    ]
-    if not (missing or unexpected or shapes):
-        return
+    """Strict-load checks (names, shapes, dtypes: ``Module.load_state_dict``'s own) done up
+    front, so a failure changes nothing."""
+    found = module._state_dict_mismatch(saved)
     parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {missing}")
-    if unexpected:
-        parts.append(f"not in the model: {unexpected}")
-    if shapes:
-        parts.append(f"shape mismatch: {'; '.join(shapes)}")
-    raise ValueError(
-        f"load_checkpoint: {target} does not match {type(module).__name__}: " + "; ".join(parts)
-    )
+    if found.missing:
+        parts.append(f"missing from the checkpoint: {found.missing}")
+    if found.unexpected:
+        parts.append(f"not in the model: {found.unexpected}")
+    if found.shapes:
+        parts.append(f"shape mismatch: {'; '.join(found.shapes)}")
+    if found.dtypes:
+        parts.append(f"dtype mismatch: {'; '.join(found.dtypes)}")
+    if parts:
+        raise ValueError(
+            f"load_checkpoint: {target} does not match {type(module).__name__}: " + "; ".join(parts)
+        )

@@ -2,7 +2,13 @@
 
 A file holds one array entry per tensor or array (``a0``, ``a1``, ...) plus ``__manifest__``,
 a JSON document (stored as bytes) describing the nesting: dicts, lists, tuples, numbers,
-strings, booleans and None. Loading never enables pickle, so a file cannot run code.
+strings, booleans and None. Loading never enables pickle, so a file cannot run code, and
+refuses what saving refuses (:func:`_refusal`: dtypes a Tensor cannot hold), so a damaged or
+crafted file fails by name instead of loading text or complex numbers as weights.
+
+:func:`state_cast_error` is the dtype rule for copying a loaded state into existing tensors
+(``Module.load_state_dict``, ``Optimizer.load_state_dict``): a cast that keeps the kind of
+number (float to float, integer to integer when the values fit, bool to bool) or nothing.
 
 Saving writes ``.tmp-{name}-{path hash}-{pid}-{origin}-{random}.npz`` next to the target,
 fsyncs it, renames it over the target and fsyncs the directory. A writer killed on the way
@@ -27,10 +33,10 @@ import numpy as np
 
 from ._device import Device
 from ._device_kinds import kind_of_array
-from ._dtype import SUPPORTED
+from ._dtype import _NAMES, SUPPORTED
 from ._tensor import Tensor
 
-__all__ = ["load", "save"]
+__all__ = ["load", "save", "state_cast_error"]
 
 _FORMAT = "tensorlib.npz/1"
 _MANIFEST = "__manifest__"
@@ -42,17 +48,11 @@ def _encode(obj: Any, arrays: dict[str, np.ndarray[Any, Any]], path: str) -> Any
     if type(obj).__module__.startswith("cupy") or kind_of_array(obj) is not None:
         obj = obj.get()
     if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject:
-            raise TypeError(
-                f"save: {path} is an object array, which cannot be saved without pickle"
-            )
-        if obj.dtype not in SUPPORTED:
+        reason = _refusal(obj.dtype)
+        if reason is not None:
             # load() returns arrays as Tensors, which cannot hold this dtype: refuse it now
             # rather than hand back a Tensor that breaks later.
-            raise TypeError(
-                f"save: {path} has dtype {obj.dtype}, which a Tensor cannot hold (supported: "
-                "float16, float32, float64, int32, int64, bool); convert it with .astype() first"
-            )
+            raise TypeError(f"save: {path} {reason}; convert it with .astype() first")
         key = f"a{len(arrays)}"
         arrays[key] = obj
         return {"$array": key}
@@ -75,21 +75,120 @@ def _encode(obj: Any, arrays: dict[str, np.ndarray[Any, Any]], path: str) -> Any
     raise TypeError(f"save: cannot save {type(obj).__name__} at {path} (no pickle)")
 
 
-def _decode(node: Any, files: Any, device: Device | None) -> Any:
+def _refusal(dtype: np.dtype[Any]) -> str | None:
+    """Why an array of ``dtype`` can be neither saved nor loaded, or None when it can: the one
+    rule both directions apply (a Tensor holds only the dtypes of ``tensorlib._dtype``)."""
+    if dtype.hasobject:
+        return "is an object array, which cannot be stored without pickle"
+    if dtype not in SUPPORTED:
+        return f"has dtype {dtype}, which a Tensor cannot hold (supported: {_NAMES})"
+    return None
+
+
+def _stored_dtype(files: Any, key: str) -> np.dtype[Any] | None:
+    """The dtype in the ``.npy`` header of member ``key``, read before its data (an object
+    array is never unpickled, a huge refused one never read); None for a header version that
+    NumPy has no public reader for (3.0: UTF-8 field names), checked after reading instead."""
+    try:
+        member = files.zip.open(f"{key}.npy")  # np.savez's name for key; np.load strips .npy
+    except KeyError:
+        member = files.zip.open(key)
+    with member as fp:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(fp)[2]
+        if version == (2, 0):
+            return np.lib.format.read_array_header_2_0(fp)[2]
+    return None
+
+
+def _array(files: Any, key: Any, path: str) -> np.ndarray[Any, Any]:
+    """Member ``key`` of the archive, refused (naming ``path``) when save would refuse it."""
+    if not isinstance(key, str) or key not in files.files:
+        raise ValueError(f"malformed manifest: {path} names array {key!r}, not in the file")
+    dtype = _stored_dtype(files, key)
+    reason = _refusal(dtype) if dtype is not None else None
+    arr: np.ndarray[Any, Any] | None = None
+    if reason is None:
+        arr = files[key]
+        reason = _refusal(arr.dtype)
+    if reason is not None or arr is None:
+        raise ValueError(
+            f"{path} {reason}; tensorlib.save never writes one (the file is damaged or was "
+            "not written by tensorlib.save)"
+        )
+    return arr
+
+
+def _decode(node: Any, files: Any, device: Device | None, path: str) -> Any:
     if isinstance(node, list):
-        return [_decode(v, files, device) for v in node]
+        return [_decode(v, files, device, f"{path}[{i}]") for i, v in enumerate(node)]
     if isinstance(node, dict):
         if "$array" in node:
-            arr = files[node["$array"]]
+            arr = _array(files, node["$array"], path)
             return Tensor(arr, device=device) if device is not None else Tensor._wrap(arr)
         if "$dict" in node:
-            return {k: _decode(v, files, device) for k, v in node["$dict"]}
+            return {k: _decode(v, files, device, f"{path}[{k!r}]") for k, v in node["$dict"]}
         if "$tuple" in node:
-            return tuple(_decode(v, files, device) for v in node["$tuple"])
+            return tuple(
+                _decode(v, files, device, f"{path}[{i}]") for i, v in enumerate(node["$tuple"])
+            )
         if "$float" in node:
             return float(node["$float"])
-        raise ValueError(f"load: malformed manifest node {sorted(node)}")
+        raise ValueError(f"malformed manifest node {sorted(node)} at {path}")
     return node
+
+
+# ---------------------------------------------------------------------------- loading into tensors
+def _value_dtype(value: Any) -> np.dtype[Any]:
+    dtype = getattr(value, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else np.asarray(value).dtype
+
+
+def _int_range(value: Any) -> tuple[int, int]:
+    if isinstance(value, Tensor):
+        value = value.detach()
+        return int(value.min().item()), int(value.max().item())
+    arr = value if hasattr(value, "min") else np.asarray(value)
+    return int(arr.min()), int(arr.max())
+
+
+def state_cast_error(value: Any, expected: np.dtype[Any]) -> str | None:
+    """Why ``value`` (a state dict's Tensor, array or number) may not be copied into a tensor
+    of dtype ``expected``; None when it may. The rule of ``load_state_dict``:
+
+    - float16, float32 and float64 cast among themselves (rounded to the nearest, as
+      ``astype`` and PyTorch's ``copy_`` do; beyond float16's range a value becomes inf);
+    - integers load into int32/int64 when every value fits (no wrap-around);
+    - bool loads into bool only;
+    - anything else is refused: an integer or bool array into a float tensor, a float one
+      into an integer or bool tensor, and text, complex, object or other dtypes anywhere.
+      PyTorch's ``copy_`` would convert the numbers; here such a checkpoint belongs to
+      another model or is damaged, so the caller converts explicitly (``.astype``) if meant.
+
+    Returns:
+        ``"checkpoint <dtype> vs model <dtype> (why)"``, for the caller to prefix with the key.
+    """
+    got = _value_dtype(value)
+    if got == expected:
+        return None
+    kinds = {"f": "float", "i": "integer", "u": "integer", "b": "bool"}
+    src, dst = kinds.get(got.kind), kinds.get(expected.kind)
+    head = f"checkpoint {got} vs model {expected}"
+    if src is None or (src == "float" and got not in SUPPORTED):
+        return f"{head} (a Tensor cannot hold {got})"
+    if src != dst:
+        return (
+            f"{head} ({src} values do not load into {dst} tensors; only float16/32/64 cast "
+            "among themselves, and integers among themselves)"
+        )
+    empty = getattr(value, "size", None) == 0
+    if src == "integer" and not empty and not np.can_cast(got, expected):
+        lo, hi = _int_range(value)
+        info = np.iinfo(expected)
+        if lo < info.min or hi > info.max:
+            return f"{head} (values {lo}..{hi} do not fit in {expected})"
+    return None
 
 
 # ---------------------------------------------------------------------------- temp files
@@ -205,8 +304,12 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 def load(path: str | os.PathLike[str], device: str | Device | None = None) -> Any:
     """Load what :func:`save` wrote; arrays come back as Tensors (on ``device`` if given).
 
+    An array that :func:`save` would have refused (text, complex, object, unsigned and other
+    dtypes a Tensor cannot hold) is refused here too, naming where it sits in the state
+    (``state['model']['fc.weight']``) and its dtype, before its data is read.
+
     Raises:
-        ValueError: if the file is not a tensorlib state file.
+        ValueError: if the file is not a tensorlib state file, or holds such an array.
     """
     dev = Device(device) if device is not None else None
     with np.load(os.fspath(path), allow_pickle=False) as files:
@@ -218,4 +321,7 @@ def load(path: str | os.PathLike[str], device: str | Device | None = None) -> An
                 f"load: {os.fspath(path)} has format {manifest.get('format')!r}, "
                 f"expected {_FORMAT!r}"
             )
-        return _decode(manifest["root"], files, dev)
+        try:
+            return _decode(manifest["root"], files, dev, "state")
+        except ValueError as exc:
+            raise ValueError(f"load: {os.fspath(path)}: {exc}") from exc

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._device import Device, is_device_spec
 from .._device_guard import on_device
 from .._dtype import is_floating
+from .._serialization import state_cast_error
 from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Module", "Parameter"]
+
+
+@dataclass
+class StateMismatch:
+    """What :meth:`Module.load_state_dict` found wrong: key lists and ``"key: ..."`` lines."""
+
+    missing: list[str]
+    unexpected: list[str]
+    shapes: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
 
 
 class Parameter(Tensor):
@@ -217,43 +229,42 @@ class Module:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:
-        """Copy values into parameters and buffers in place (casting dtype, keeping device).
+        """Copy values into parameters and buffers in place (keeping each one's device and
+        dtype); everything is checked first, so an error changes nothing.
+
+        A value's dtype may differ from the tensor's only by a cast that keeps the kind of
+        number: float16/float32/float64 among themselves (rounded to the nearest, as PyTorch's
+        ``copy_``), integers among int32/int64 when every value fits. Unlike ``copy_``, an
+        integer or bool value into a float tensor, a float into an integer or bool buffer, and
+        text, complex or object arrays are refused.
 
         Args:
             state_dict: name -> Tensor or array, as produced by :meth:`state_dict`.
-            strict: require exactly the same names; shapes must always match.
+            strict: require exactly the same names; shapes and dtypes must always match.
 
         Returns:
             The names that were missing from ``state_dict`` (always empty when strict).
 
         Raises:
             KeyError: with strict, listing missing and unexpected keys.
-            ValueError: listing every shape mismatch.
+            ValueError: listing every shape and dtype mismatch (key, checkpoint's and model's).
         """
-        own = self.state_dict()
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
+        found = self._state_dict_mismatch(state_dict)
+        if strict and (found.missing or found.unexpected):
             parts = []
-            if missing:
-                parts.append(f"missing keys: {missing}")
-            if unexpected:
-                parts.append(f"unexpected keys: {unexpected}")
+            if found.missing:
+                parts.append(f"missing keys: {found.missing}")
+            if found.unexpected:
+                parts.append(f"unexpected keys: {found.unexpected}")
             raise KeyError(f"load_state_dict for {type(self).__name__}: " + "; ".join(parts))
-        mismatched = []
-        for k, t in own.items():
-            if k not in state_dict:
-                continue
-            v = state_dict[k]
-            shape = tuple(getattr(v, "shape", ()))
-            if shape != t.shape:
-                mismatched.append(f"{k}: checkpoint {shape} vs model {t.shape}")
-        if mismatched:
-            raise ValueError(
-                f"load_state_dict for {type(self).__name__}: shape mismatch for "
-                + "; ".join(mismatched)
-            )
-        for k, t in own.items():
+        parts = []
+        if found.shapes:
+            parts.append("shape mismatch for " + "; ".join(found.shapes))
+        if found.dtypes:
+            parts.append("dtype mismatch for " + "; ".join(found.dtypes))
+        if parts:
+            raise ValueError(f"load_state_dict for {type(self).__name__}: " + "; ".join(parts))
+        for k, t in self.state_dict().items():
             if k not in state_dict:
                 continue
             v = state_dict[k]
@@ -264,7 +275,29 @@ class Module:
             )
             # On t's GPU, whichever is current: CuPy copies on the current one.
             on_device(t._device, t._data.__setitem__, Ellipsis, src._data)
-        return missing
+        return found.missing
+
+    def _state_dict_mismatch(self, state_dict: dict[str, Any]) -> StateMismatch:
+        """How ``state_dict`` differs from this module's state: the checks of
+        :meth:`load_state_dict`, shared with ``ddp.load_checkpoint`` (which must check the
+        model before it loads anything else)."""
+        own = self.state_dict()
+        found = StateMismatch(
+            missing=[k for k in own if k not in state_dict],
+            unexpected=[k for k in state_dict if k not in own],
+        )
+        for k, t in own.items():
+            if k not in state_dict:
+                continue
+            v = state_dict[k]
+            shape = tuple(getattr(v, "shape", ()))
+            if shape != t.shape:
+                found.shapes.append(f"{k}: checkpoint {shape} vs model {t.shape}")
+                continue
+            problem = state_cast_error(v, t.dtype)
+            if problem is not None:
+                found.dtypes.append(f"{k}: {problem}")
+        return found
 
     # ------------------------------------------------------------------ calling
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from .._device_guard import DeviceGuard
+from .._serialization import state_cast_error
 from .._tensor import Tensor, _clear_grads
 
 __all__ = ["Optimizer"]
@@ -96,8 +99,14 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (arrays move to each parameter's device and dtype).
 
+        Everything is checked before anything changes. A state array's dtype follows the
+        rule of ``Module.load_state_dict``: float16/float32/float64 cast to the parameter's
+        float dtype; an integer, bool, text, complex or object array is refused.
+
         Raises:
-            ValueError: if the groups or parameter shapes do not match this optimizer.
+            ValueError: if the groups, or a state array's shape or dtype, do not match this
+                optimizer's parameters (naming the parameter's index, the state's name and
+                both dtypes).
         """
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or "state" not in state_dict:
@@ -134,7 +143,8 @@ def _state_on(p: Tensor, key: int, entry: dict[str, Any]) -> dict[str, Any]:
     """One parameter's saved state with its arrays copied onto ``p``'s device and dtype.
 
     Raises:
-        ValueError: for an array whose shape is not the parameter's.
+        ValueError: for an array whose shape is not the parameter's, or whose dtype does not
+            cast to the parameter's (``state_cast_error``'s rule).
     """
     converted: dict[str, Any] = {}
     with DeviceGuard() as guard:
@@ -145,12 +155,18 @@ def _state_on(p: Tensor, key: int, entry: dict[str, Any]) -> dict[str, Any]:
                 or hasattr(value, "__array_interface__")
                 or hasattr(value, "__cuda_array_interface__")
             ):
-                arr = value if isinstance(value, Tensor) else Tensor(value)
-                if arr.ndim and arr.shape != p.shape:
+                shape = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+                if shape and shape != p.shape:
                     raise ValueError(
-                        f"optimizer state {name!r} of parameter {key} has shape {arr.shape}, "
+                        f"optimizer state {name!r} of parameter {key} has shape {shape}, "
                         f"the parameter has {p.shape}"
                     )
+                problem = state_cast_error(value, p.dtype)
+                if problem is not None:
+                    raise ValueError(
+                        f"optimizer state {name!r} of parameter {key}: dtype mismatch: {problem}"
+                    )
+                arr = value if isinstance(value, Tensor) else Tensor(value)
                 converted[name] = arr.detach().to(p.device, dtype=p.dtype)._data.copy()
             else:
                 converted[name] = value

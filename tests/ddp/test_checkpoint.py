@@ -4,8 +4,10 @@ random generator states and their world-size rule, and format 1 files."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 import collectives
 import tensorlib as tl
 from ddp._checkpoint import FORMAT, load_checkpoint, save_checkpoint
+from ddp.handlers import Checkpoint
 from tensorlib import nn, optim
 from tests.ddp import resume_script as rs
 from tests.helpers import DEVICES
@@ -439,3 +442,116 @@ def test_mismatched_parts_change_nothing(tmp_path: Path) -> None:
         save_checkpoint(path, again.model, loader=[1, 2])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="scheduler\\[0\\] must have state_dict"):
         save_checkpoint(path, again.model, scheduler=object())
+
+
+# ---------------------------------------------------------------------- dtypes
+def rewrite(path: Path, where: list[str | int], array: np.ndarray[Any, Any]) -> None:
+    """Put ``array`` in place of the array at ``where`` (dict keys from the root) of a file
+    ``tensorlib.save`` wrote, keeping its manifest: a damaged or crafted checkpoint."""
+    with np.load(path, allow_pickle=False) as files:
+        arrays = {n: files[n] for n in files.files}
+    node = json.loads(arrays["__manifest__"].tobytes().decode())["root"]
+    for key in where:
+        node = dict(node["$dict"])[key]
+    arrays[node["$array"]] = array
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (np.full((4, 3), "0.123456789", dtype="<U8"), "has dtype <U8"),
+        (np.ones((4, 3), np.complex64), "has dtype complex64"),
+        (np.ones((4, 3), dtype=object), "is an object array"),
+    ],
+)
+def test_a_checkpoint_holding_a_non_tensor_dtype_is_refused_by_name(
+    bad: np.ndarray[Any, Any], match: str, tmp_path: Path
+) -> None:
+    model, opt = make(0)
+    train_step(model, opt, 0)
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, model, opt, step=1)
+    rewrite(path, ["model", "fc1.weight"], bad)
+    fresh, fresh_opt = make(1)
+    before = params(fresh)
+    key = re.escape("state['model']['fc1.weight'] ")
+    with pytest.raises(
+        ValueError, match=f"not a checkpoint written by save_checkpoint.*{key}{match}"
+    ):
+        load_checkpoint(path, fresh, fresh_opt)
+    assert_same(params(fresh), before)
+    assert fresh_opt.state == {}
+    # The Checkpoint handler reads with tensorlib.load too: the same refusal.
+    with pytest.raises(ValueError, match=f"{key}{match}"):
+        Checkpoint.load_objects({"model": fresh}, path)
+    assert_same(params(fresh), before)
+
+
+def test_a_float64_checkpoint_loads_into_a_float32_run_cast(tmp_path: Path) -> None:
+    wide, wide_opt = make(0)
+    wide.to(tl.float64)
+    train_step(wide, wide_opt, 0)
+    path = tmp_path / "f64.npz"
+    save_checkpoint(path, wide, wide_opt, step=1)
+    narrow, narrow_opt = make(1)
+    assert load_checkpoint(path, narrow, narrow_opt)["step"] == 1
+    for name, t in narrow.state_dict().items():
+        assert t.dtype == tl.float32, name
+        want = wide.state_dict()[name].numpy().astype(np.float32)
+        np.testing.assert_array_equal(t.numpy(), want, err_msg=name)
+    for p_narrow, p_wide in zip(narrow.parameters(), wide.parameters(), strict=True):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            got = narrow_opt.state[p_narrow][moment]
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, wide_opt.state[p_wide][moment].astype(np.float32))
+    again = make(2)[0]
+    Checkpoint.load_objects({"model": again}, path)  # the handler's path: the same cast
+    assert_same(params(again), params(narrow))
+
+
+@pytest.mark.parametrize(
+    ("where", "bad", "match"),
+    [
+        # torch's copy_ would convert each of these; a checkpoint whose kind of number differs
+        # from the model's belongs to another model or is damaged.
+        (["model", "fc2.bias"], np.array([1, 2]), "fc2.bias: checkpoint int64 vs model float32"),
+        (["model", "seen"], np.array([True]), "seen: checkpoint bool vs model float32"),
+    ],
+)
+def test_a_checkpoint_of_another_kind_of_number_is_refused_and_changes_nothing(
+    where: list[str | int], bad: np.ndarray[Any, Any], match: str, tmp_path: Path
+) -> None:
+    model, opt = make(0)
+    train_step(model, opt, 0)
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, model, opt, step=1)
+    rewrite(path, where, bad)
+    fresh, fresh_opt = make(1)
+    sched = optim.lr_scheduler.StepLR(fresh_opt, step_size=2)
+    before, sched_before = params(fresh), sched.state_dict()
+    with pytest.raises(ValueError, match=f"does not match Net: dtype mismatch: {match}"):
+        load_checkpoint(path, fresh, fresh_opt)
+    assert_same(params(fresh), before)
+    assert fresh_opt.state == {} and sched.state_dict() == sched_before
+    with pytest.raises(ValueError, match=f"dtype mismatch for {match}"):
+        Checkpoint.load_objects({"model": fresh}, path)
+    assert_same(params(fresh), before)
+
+
+def test_optimizer_state_of_another_kind_of_number_is_refused(tmp_path: Path) -> None:
+    model, opt = make(0)
+    train_step(model, opt, 0)
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, model, opt, step=1)
+    rewrite(path, ["optimizer", "state", 0, "exp_avg_sq"], np.ones((4, 3), np.int64))
+    fresh, fresh_opt = make(1)
+    before = params(fresh)
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer state does not match.*'exp_avg_sq' of parameter 0: dtype mismatch: "
+        "checkpoint int64 vs model float32",
+    ):
+        load_checkpoint(path, fresh, fresh_opt)
+    assert_same(params(fresh), before)
+    assert fresh_opt.state == {}

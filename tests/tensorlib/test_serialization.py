@@ -189,5 +189,142 @@ def test_loading_never_unpickles(tmp_path: Path) -> None:
     manifest = {"format": "tensorlib.npz/1", "root": {"$array": "a0"}}
     blob = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
     np.savez(path, __manifest__=blob, a0=np.array([{"payload": 1}], dtype=object))
-    with pytest.raises(ValueError, match="allow_pickle"):
+    with pytest.raises(ValueError, match=r"state is an object array, which cannot be stored"):
         tl.load(path)
+
+
+def test_a_manifest_naming_a_missing_array_raises_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "short.npz"
+    manifest = {"format": "tensorlib.npz/1", "root": {"$dict": [["w", {"$array": "a7"}]]}}
+    np.savez(path, __manifest__=np.frombuffer(json.dumps(manifest).encode(), np.uint8))
+    with pytest.raises(ValueError, match=r"short\.npz: malformed manifest: state\['w'\] names"):
+        tl.load(path)
+
+
+# ---------------------------------------------------------------------- dtypes on load
+def rewrite(path: Path, where: list[str | int], array: np.ndarray[Any, Any]) -> None:
+    """Put ``array`` in place of the array at ``where`` (dict keys from the root) of a file
+    :func:`tl.save` wrote, keeping its manifest: a damaged or crafted file in the format."""
+    with np.load(path, allow_pickle=False) as files:
+        arrays = {n: files[n] for n in files.files}
+    node = json.loads(arrays["__manifest__"].tobytes().decode())["root"]
+    for key in where:
+        node = dict(node["$dict"])[key]
+    arrays[node["$array"]] = array
+    np.savez(path, **arrays)
+
+
+def _linear_file(tmp_path: Path, weight: np.ndarray[Any, Any]) -> Path:
+    path = tmp_path / "linear.npz"
+    tl.save(nn.Linear(2, 2).state_dict(), path)
+    rewrite(path, ["weight"], weight)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("weight", "match"),
+    [
+        # "0.123456789" kept 8 characters and loaded as 0.123456 before: silently other weights.
+        (np.array([["0.123456789", "1"], ["2", "3"]], dtype="<U8"), "has dtype <U8"),
+        (np.full((2, 2), 1 + 2j, np.complex64), "has dtype complex64"),  # NumPy only warned
+        (np.array([[1.0, 2.0], [3.0, 4.0]], dtype=object), "is an object array"),
+        (np.ones((2, 2), np.uint8), "has dtype uint8"),
+    ],
+)
+def test_load_refuses_what_save_refuses_naming_the_key_and_dtype(
+    weight: np.ndarray[Any, Any], match: str, tmp_path: Path
+) -> None:
+    path = _linear_file(tmp_path, weight)
+    model = nn.Linear(2, 2)
+    before = model.weight.numpy().copy()
+    with pytest.raises(ValueError, match=rf"linear\.npz: state\['weight'\] {match}"):
+        model.load_state_dict(tl.load(path))
+    np.testing.assert_array_equal(model.weight.numpy(), before)
+    # The same rule, one place: save refuses the same array with the same reason.
+    with pytest.raises(TypeError, match=rf"state\['weight'\] {match}"):
+        tl.save({"weight": weight}, tmp_path / "other.npz")
+
+
+def test_float_checkpoints_load_into_other_float_dtypes_rounded(tmp_path: Path) -> None:
+    tl.manual_seed(0)
+    wide = nn.Linear(3, 4).to(tl.float64)
+    wide.weight.data[0, 0] = 1 / 3 + 1e-12  # not a float32: the load rounds it
+    path = tmp_path / "f64.npz"
+    tl.save(wide.state_dict(), path)
+    narrow = nn.Linear(3, 4)
+    narrow.load_state_dict(tl.load(path))
+    for name, t in narrow.state_dict().items():
+        assert t.dtype == tl.float32, name  # the model keeps its dtype, as torch's does
+        expected = wide.state_dict()[name].numpy().astype(np.float32)
+        np.testing.assert_array_equal(t.numpy(), expected, err_msg=name)
+    half = nn.Linear(3, 4).to(tl.float16)
+    half.load_state_dict(tl.load(path))
+    np.testing.assert_array_equal(half.weight.numpy(), wide.weight.numpy().astype(np.float16))
+
+
+class _Counters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(tl.ones(2))
+        self.register_buffer("count", tl.tensor([3, 4]))  # int64
+        self.register_buffer("small", tl.tensor([1, 2], dtype=tl.int32))
+        self.register_buffer("mask", tl.tensor([True, False]))
+
+
+def _counters(**change: Any) -> dict[str, Any]:
+    state = {k: v.numpy().copy() for k, v in _Counters().state_dict().items()}
+    return {**state, **change}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        # torch's copy_ casts all of these; here each is an error naming key and both dtypes.
+        ({"weight": np.array([1, 2])}, r"weight: checkpoint int64 vs model float32 \(integer"),
+        ({"weight": np.array([True, False])}, "weight: checkpoint bool vs model float32"),
+        ({"count": np.array([1.5, 2.0])}, "count: checkpoint float64 vs model int64"),
+        ({"mask": np.array([1.0, 0.0])}, "mask: checkpoint float64 vs model bool"),
+        ({"mask": np.array([1, 0])}, "mask: checkpoint int64 vs model bool"),
+        ({"count": np.array([True, True])}, "count: checkpoint bool vs model int64"),
+        ({"small": np.array([2**31, 0])}, r"small: .*values 0\.\.2147483648 do not fit in int32"),
+        ({"weight": np.ones(2, np.complex128)}, "weight: checkpoint complex128 vs model float32"),
+    ],
+)
+def test_load_state_dict_refuses_casts_that_change_the_kind_of_number(
+    change: dict[str, Any], match: str
+) -> None:
+    model = _Counters()
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"dtype mismatch for {match}"):
+        model.load_state_dict(_counters(**change))
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+
+
+def test_load_state_dict_casts_integers_that_fit() -> None:
+    model = _Counters()
+    model.load_state_dict(_counters(count=np.array([7, 8], np.int32), small=np.array([5, -6])))
+    assert model.count.dtype == tl.int64 and model.count.tolist() == [7, 8]
+    assert model.small.dtype == tl.int32 and model.small.tolist() == [5, -6]
+
+
+def test_optimizer_state_dtypes(tmp_path: Path) -> None:
+    tl.manual_seed(0)
+    wide = nn.Linear(2, 3).to(tl.float64)
+    opt = tl.optim.Adam(wide.parameters(), lr=0.1)
+    (wide(tl.ones(4, 2, dtype=tl.float64)) ** 2).sum().backward()
+    opt.step()
+    path = tmp_path / "opt.npz"
+    tl.save(opt.state_dict(), path)
+    narrow = nn.Linear(2, 3)
+    narrow_opt = tl.optim.Adam(narrow.parameters(), lr=0.1)
+    narrow_opt.load_state_dict(tl.load(path))
+    moments = narrow_opt.state[narrow.weight]["exp_avg"]
+    assert moments.dtype == np.float32
+    np.testing.assert_array_equal(moments, opt.state[wide.weight]["exp_avg"].astype(np.float32))
+
+    rewrite(path, ["state", 0, "exp_avg"], np.ones((3, 2), np.int64))
+    fresh_opt = tl.optim.Adam(nn.Linear(2, 3).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0: dtype mismatch: checkpoint"):
+        fresh_opt.load_state_dict(tl.load(path))
+    assert fresh_opt.state == {}
