@@ -18,6 +18,7 @@ import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ from typing import Any, Literal, overload
 
 from .._errorfile import ERROR_FILE_ENV
 from .._errors import SpawnError
+from .._registry import registered_backends
 from ..backends.cpu._shm import remove_run_segments
 from ._launcher import (
     DEFAULT_GRACE_PERIOD,
@@ -313,7 +315,7 @@ def spawn(
 
     Args:
         fn: called as ``fn(rank, *args)`` with the global rank.
-        args: extra positional arguments.
+        args: extra positional arguments (a tuple or list).
         nprocs: number of ranks.
         backend: passed to ``init_process_group`` (None chooses: serial for one rank, else cpu
             or nccl).
@@ -342,12 +344,13 @@ def spawn(
         SpawnError: when a rank fails (in the last attempt); the other ranks are ended first.
             The message names the rank and includes its traceback, or the signal that killed
             it, and says how many attempts ran.
-        ValueError: for an invalid ``nprocs``, ``start_method``, ``max_restarts`` (or one
-            with ``join=False``), or too few GPUs.
+        TypeError, ValueError: before any rank starts, for a wrong argument (the message
+            names it, its value and what it must be); ValueError also for too few GPUs.
     """
     _check_arguments(fn, nprocs, start_method, join, max_restarts)
+    _check_options(args, backend, init, timeout, master_port, grace_period)
     if backend == "threads" or devices is not None:
-        t, g = float(timeout), grace_period
+        t, g = float(timeout), float(grace_period)
         return _in_threads(fn, args, nprocs, backend, devices, init, t, join, g, max_restarts)
     # Typed as Any: typeshed gives a context chosen by name no Process attribute.
     ctx: Any = multiprocessing.get_context(start_method)
@@ -426,12 +429,50 @@ def _check_arguments(
             f"spawn: start_method {start_method!r} is not available here; choose from "
             f"{multiprocessing.get_all_start_methods()}"
         )
+    if not isinstance(join, bool):
+        raise TypeError(f"spawn: join must be a bool, got {join!r}")
     check_max_restarts(max_restarts, "spawn")
     if max_restarts > 0 and not join:
         raise ValueError(
             "spawn: max_restarts > 0 needs join=True (the restarts happen while spawn waits "
             "for the ranks); with join=False, call spawn again after a failed join()"
         )
+
+
+def _check_options(
+    args: object,
+    backend: object,
+    init: object,
+    timeout: object,
+    master_port: object,
+    grace_period: object,
+) -> None:
+    """Refuse up front what a rank would fail on (its traceback says less about why)."""
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"spawn: args must be a tuple (or list) of fn's arguments after the rank, got "
+            f"{args!r}; for one argument write args=({args!r},)"
+        )
+    if not isinstance(init, bool):
+        raise TypeError(f"spawn: init must be a bool, got {init!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"spawn: backend must be a backend name (str) or None, got {backend!r}")
+    if init and backend is not None and backend not in registered_backends():
+        raise ValueError(f"spawn: unknown backend {backend!r}; registered: {registered_backends()}")
+    _check_seconds("timeout", timeout, "a positive number of seconds", minimum_excluded=True)
+    _check_seconds("grace_period", grace_period, "a number of seconds >= 0")
+    if master_port is not None:
+        if isinstance(master_port, bool) or not isinstance(master_port, int):
+            raise TypeError(f"spawn: master_port must be None or an int, got {master_port!r}")
+        if not 1 <= master_port <= 65535:
+            raise ValueError(f"spawn: master_port must be in 1-65535, got {master_port}")
+
+
+def _check_seconds(name: str, value: object, rule: str, minimum_excluded: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"spawn: {name} must be {rule}, got {value!r}")
+    if not (float(value) > 0 if minimum_excluded else float(value) >= 0):  # NaN fails both
+        raise ValueError(f"spawn: {name} must be {rule}, got {value!r}")
 
 
 def _join_with_restarts(

@@ -19,6 +19,7 @@ same argument checks, so a wrong call fails in a one-process run too.
 
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,11 +103,31 @@ def _is_group_like(x: Any) -> bool:
     return _is_group(x) or isinstance(x, list | tuple)
 
 
+def _check_json(where: str, value: Any) -> None:
+    """Refuse alone what the object collectives refuse among ranks: a value that is not
+    JSON (a dict holding a tensor...), so a script fails in a one-process run too."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{where}: the value must be JSON-serializable (dict/list/str/int/float/bool/None; "
+            f"no pickle): {exc}"
+        ) from None
+
+
 def _ranks(ranks: Any, where: str) -> list[int]:
+    """``ranks`` checked against the world as ``collectives.new_group`` checks them, at
+    every world size (at world size 1 no group is made, so nothing else would)."""
     if not isinstance(ranks, list | tuple) or not all(
         isinstance(r, int) and not isinstance(r, bool) for r in ranks
     ):
         raise ValueError(f"{where}: ranks must be a list of int, got {ranks!r}")
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{where}: ranks must be unique and non-empty, got {list(ranks)}")
+    size = collectives.get_world_size()
+    bad = sorted(r for r in ranks if not 0 <= r < size)
+    if bad:
+        raise ValueError(f"{where}: ranks {bad} are out of range for world size {size}")
     return list(ranks)
 
 
@@ -183,7 +204,8 @@ def all_gather(tensor: Any, group: Any = None) -> Any:
         per rank. A rank outside ``group`` gets ``tensor`` back.
 
     Raises:
-        TypeError: for a value that is not JSON-able (objects travel as JSON, never pickled).
+        TypeError: for a value that is not JSON-able (objects travel as JSON, never pickled),
+            at world size 1 too.
         ValueError: for an unknown ``group``.
     """
     pg = _group(group, "idist.all_gather")
@@ -192,6 +214,7 @@ def all_gather(tensor: Any, group: Any = None) -> Any:
         return tensor
     if not is_tensor:
         if pg is None:
+            _check_json("idist.all_gather", tensor)
             return [tensor]
         return pg.all_gather_object(tensor)
     arr = tensor.data if isinstance(tensor, Tensor) else tensor

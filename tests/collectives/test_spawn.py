@@ -191,6 +191,60 @@ def test_spawn_rejects_bad_arguments() -> None:
         spawn(group_info, start_method="teleport")
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        (
+            {"grace_period": -1},
+            ValueError,
+            "spawn: grace_period must be a number of seconds >= 0, got -1",
+        ),
+        (
+            {"grace_period": "x"},
+            TypeError,
+            "spawn: grace_period must be a number of seconds >= 0, got 'x'",
+        ),
+        (
+            {"args": 5},
+            TypeError,
+            "spawn: args must be a tuple (or list) of fn's arguments after the rank, got 5",
+        ),
+        (
+            {"timeout": -1},
+            ValueError,
+            "spawn: timeout must be a positive number of seconds, got -1",
+        ),
+        ({"timeout": 0}, ValueError, "spawn: timeout must be a positive number of seconds, got 0"),
+        (
+            {"timeout": "x"},
+            TypeError,
+            "spawn: timeout must be a positive number of seconds, got 'x'",
+        ),
+        (
+            {"timeout": "x", "backend": "threads"},
+            TypeError,
+            "spawn: timeout must be a positive number",
+        ),
+        ({"backend": "nope"}, ValueError, "spawn: unknown backend 'nope'; registered: ["),
+        ({"backend": 3}, TypeError, "spawn: backend must be a backend name (str) or None, got 3"),
+        ({"master_port": 0}, ValueError, "spawn: master_port must be in 1-65535, got 0"),
+        ({"master_port": "x"}, TypeError, "spawn: master_port must be None or an int, got 'x'"),
+        ({"join": "no"}, TypeError, "spawn: join must be a bool, got 'no'"),
+        ({"init": "yes"}, TypeError, "spawn: init must be a bool, got 'yes'"),
+    ],
+)
+def test_spawn_checks_its_arguments_before_any_rank_starts(
+    kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    # A TypeError/ValueError up front naming the argument, not a SpawnError carrying a rank's
+    # traceback (or, for some, no error at all).
+    with pytest.raises(error) as info:
+        spawn(group_info, **kwargs)
+    assert fragment in str(info.value)
+    assert not isinstance(info.value, SpawnError)
+
+
 # ---------------------------------------------------------------------- Parallel
 @pytest.mark.timeout(30)
 def test_parallel_in_process_world_of_one() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 import collectives
 import ddp.idist as idist
+import tensorlib as tl
 from tests.collectives.harness import RankPool
 from tests.collectives.threads_pool import ThreadsPool
 
@@ -184,6 +185,69 @@ def test_argument_errors_outside_any_group(alone: None) -> None:
     assert bool(idist.has_native_dist_support) and idist.has_native_dist_support()
     assert not idist.has_xla_support and not idist.has_hvd_support()
     assert bool(idist.has_mpi_support) == ("mpi" in collectives.available_backends())
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["alone", "serial1"])
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (
+            lambda: idist.new_group([5]),
+            ValueError,
+            "idist.new_group: ranks [5] are out of range for world size 1",
+        ),
+        (
+            lambda: idist.new_group([0, 0]),
+            ValueError,
+            "idist.new_group: ranks must be unique and non-empty, got [0, 0]",
+        ),
+        (
+            lambda: idist.new_group([]),
+            ValueError,
+            "idist.new_group: ranks must be unique and non-empty, got []",
+        ),
+        (
+            lambda: idist.all_reduce(1.0, group=[3]),
+            ValueError,
+            "idist.all_reduce: ranks [3] are out of range",
+        ),
+        (
+            lambda: idist.barrier(group=[0, 1]),
+            ValueError,
+            "idist.barrier: ranks [1] are out of range",
+        ),
+        (
+            lambda: idist.all_gather({"a": tl.tensor([1.0])}),
+            TypeError,
+            "idist.all_gather: the value must be JSON-serializable",
+        ),
+        (
+            lambda: idist.all_gather(object()),
+            TypeError,
+            "idist.all_gather: the value must be JSON-serializable",
+        ),
+    ],
+    ids=[
+        "new_group([5])",
+        "duplicates",
+        "empty",
+        "all_reduce",
+        "barrier",
+        "dict of tensor",
+        "object",
+    ],
+)
+def test_argument_errors_at_world_size_one_are_those_of_world_size_n(
+    alone: None, joined: bool, call: Any, error: type[Exception], fragment: str
+) -> None:
+    # What collectives.new_group and the object collectives refuse among ranks is refused
+    # alone too (docs/idist.md), outside any group and in a serial group of one.
+    if joined:
+        idist.initialize("gloo")
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+    assert idist.new_group([0]) == [0]  # a valid group of one still works
 
 
 def test_initialize_alone_is_a_world_of_one_and_finalize_ends_it(alone: None) -> None:
