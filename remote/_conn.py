@@ -8,9 +8,26 @@ from __future__ import annotations
 import socket
 import threading
 
-from collectives.framing import HEADER, TAG_BYTES, Seal, recv_frame, send_frame
+from collectives.framing import HEADER, TAG_BYTES, Seal, recv_exact, send_frame
 
 from ._wire import MAX_FRAME_BYTES, ProtocolError
+
+_DISCARD_CHUNK = 1 << 16
+
+
+class FrameTooLongError(ProtocolError):
+    """A frame longer than its receiver would read now; its body is still on the socket
+    (:meth:`Framed.discard` reads it without keeping it).
+
+    Attributes:
+        length: the payload's length, as its header announced it.
+        unread: the bytes of the frame still on the socket (the tag's too, when sealed).
+    """
+
+    def __init__(self, length: int, unread: int) -> None:
+        super().__init__(f"a frame of {length} bytes, longer than its receiver takes now")
+        self.length = length
+        self.unread = unread
 
 
 def tune(sock: socket.socket) -> None:
@@ -43,21 +60,51 @@ class Framed:
         self.received = 0
         self._send_lock = threading.Lock()
 
-    def send(self, *payload: bytes) -> None:
+    def send(self, *payload: bytes | memoryview) -> None:
         """Send one frame whose payload is the concatenation of ``payload``."""
         with self._send_lock:
             self.sent += send_frame(self.sock, self.seal, *payload)
 
-    def recv(self, limit: int = MAX_FRAME_BYTES) -> memoryview:
+    def recv(self, limit: int = MAX_FRAME_BYTES, room: int | None = None) -> memoryview:
         """The next frame's payload (its tag checked and removed when sealed).
 
+        Args:
+            limit: the longest payload the protocol allows here.
+            room: the longest one the receiver will hold now (None: ``limit``): a longer
+                one is refused from its header, before a byte of its body is read.
+
         Raises:
+            FrameTooLongError: a length within ``limit`` but over ``room`` (body unread).
             ProtocolError: a length outside ``1..limit`` or a wrong tag.
             EOFError: the peer closed the connection.
         """
-        body = recv_frame(self.sock, self.seal, limit, ProtocolError)
-        self.received += HEADER.size + len(body) + (TAG_BYTES if self.seal is not None else 0)
-        return body
+        # collectives.framing.recv_frame's steps, with the header read first so that a frame
+        # too long for ``room`` is refused before its body is read (and allocated).
+        extra = TAG_BYTES if self.seal is not None else 0
+        (n,) = HEADER.unpack(recv_exact(self.sock, HEADER.size))
+        if n <= extra or n > limit + extra:
+            raise ProtocolError(f"frame length {n} outside {extra + 1}..{limit + extra}")
+        self.received += HEADER.size
+        if room is not None and n > room + extra:
+            raise FrameTooLongError(n - extra, n)
+        body = memoryview(recv_exact(self.sock, n))
+        self.received += n
+        if self.seal is None:
+            return body
+        self.seal.check(body[:-TAG_BYTES], body[-TAG_BYTES:])
+        return body[:-TAG_BYTES]
+
+    def discard(self, n: int) -> None:
+        """Read ``n`` bytes (a refused frame's body) without keeping them (a small buffer at
+        a time). The frame's tag is not checked: the caller closes the connection after."""
+        buf = bytearray(min(n, _DISCARD_CHUNK))
+        view = memoryview(buf)
+        while n > 0:
+            k = self.sock.recv_into(view, min(n, len(buf)))
+            if k == 0:
+                raise EOFError("the peer closed the connection")
+            n -= k
+            self.received += k
 
     def close(self) -> None:
         for fn in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):

@@ -12,7 +12,10 @@ without a token). The token never crosses the wire; the server says nothing abou
 devices before the client's proof checked (``hmac.compare_digest``), and the client refuses a
 server that cannot prove the token too. ``device`` is ``CONTROL`` (0xFFFF) for a connection
 that asks for the device list (LIST 0x02 -> DEVICES 0x11 u16 count + count ``str``), else the
-index of the device the session runs on; its frames are then ``_records``'.
+index of the device the session runs on; its frames are then ``_records``'. A server that
+drops a connection still in the handshake (``REFUSED_CROWDED``: too many waiting, this one
+the oldest, so the client tries again; ``REFUSED_TIMEOUT``: its deadline passed) sends a
+REFUSED in place of its next frame where it can (not inside a TLS handshake).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ MAGIC = b"DPTR"
 NONCE_BYTES = 32
 CONTROL = 0xFFFF
 FLAG_AUTH = 0x01
-# REFUSED kinds.
+# REFUSED kinds. BUSY: every session slot is taken; CROWDED: too many connections were in
+# the handshake and this one was the oldest; TIMEOUT: the handshake's deadline passed.
 REFUSED_AUTH, REFUSED_PROTOCOL, REFUSED_DEVICE, REFUSED_BUSY = 1, 2, 3, 4
+REFUSED_CROWDED, REFUSED_TIMEOUT = 5, 6
 
 GREETING = struct.Struct(f"<{len(MAGIC)}sBB{NONCE_BYTES}s")
 _HELLO_HEAD = struct.Struct(f"<BBH{NONCE_BYTES}sB")
@@ -147,10 +152,19 @@ def parse_device_list(payload: bytes | memoryview) -> list[str] | None:
     return [r.str() for _ in range(r.u16())]
 
 
-def check_token(token: object, who: str) -> str | bytes:
-    """``token`` if it is a non-empty str or bytes; ``who`` names the caller in the error."""
-    if not isinstance(token, (str, bytes)):
+def check_token(token: object, who: str) -> bytes:
+    """``token`` as the secret both ends prove: UTF-8 for a str, surrounding whitespace
+    stripped, so a token read from a file (``open(f).read()``, with its trailing newline)
+    matches the server's ``--token-file``. The one normalisation of client and server.
+
+    Raises:
+        TypeError: ``token`` is not str or bytes (the message names ``who`` and the type,
+            never the value: it may be the secret).
+        ValueError: it is empty, or only whitespace.
+    """
+    if not isinstance(token, str | bytes):
         raise TypeError(f"{who}: token must be a str or bytes, got {type(token).__name__}")
-    if not token:
-        raise ValueError(f"{who}: token must not be empty")
-    return token
+    data = (token.encode("utf-8") if isinstance(token, str) else token).strip()
+    if not data:
+        raise ValueError(f"{who}: token must not be empty (or only whitespace)")
+    return data

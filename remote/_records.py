@@ -18,6 +18,14 @@ seq u16 op str message``: the first op that failed since the last reply, or the 
 poisoned the array read (UPLOAD puts its ARRAY argument in the table). HEARTBEAT (0x13)
 frames come once a second while a reply is due or a frame has run for over a second (a read
 may wait behind it, not yet received), so a client tells a busy server from a dead one.
+A REPLY to request 0 (the client numbers its requests from 1), status ``BAD_REQUEST``, ends
+the session: its message says why (a frame too long for the session's memory limit:
+``_wire``), and the server closes the connection after it.
+
+An array larger than ``PIECE_BYTES`` goes up in pieces: UPLOAD with two values, its shape
+(a TUPLE of INT) and DTYPE, makes an array of zeros, and SETITEM records (``FLAG_OUT``) of at
+most ``PIECE_BYTES`` each fill it, so no frame of records carries much more, and a session's
+memory limit refuses the array (at its UPLOAD) before any of it is held.
 
 DROP with no values frees ``out``; with one IDS value it frees those ids (``out`` unused): a
 frame's frees go as one record.
@@ -80,14 +88,15 @@ from ._wire import (
     ProtocolError,
     Reader,
     Ref,
+    array_parts,
     ids_value,
     put,
-    put_array,
 )
 
 FLAG_OUT = 0x01
 # REPLY status.
 OK, OP_ERROR, BAD_REQUEST = 0, 1, 2
+CLOSING = 0  # the request of a REPLY that ends the session (no request of the client's)
 
 RECORDS_HEAD = struct.Struct("<BHI")  # kind, how many READ/SYNC records, records
 RECORD_HEAD = struct.Struct("<HBIB")
@@ -294,19 +303,29 @@ def reply(
     failed: list[int],
     error: tuple[int, int, str] | None = None,
     array: np.ndarray[Any, Any] | None = None,
-) -> list[bytes]:
+) -> list[bytes | memoryview]:
     """A REPLY's parts: the seqs of the ops that failed since the last one, then (status
-    OP_ERROR) the error to raise, or (OK) a READ's ``array``."""
+    OP_ERROR) the error to raise, or (OK) a READ's ``array`` (its data a view of it: the
+    reply is sent at once)."""
     head = REPLY_HEAD.pack(REPLY, request, OK if error is None else OP_ERROR)
     body = U32.pack(len(failed)) + b"".join(U64.pack(s) for s in failed)
     if error is not None:
-        seq, op, message = error
-        data = message.encode("utf-8", "replace")[:4096]
-        return [head + body + _ERROR_HEAD.pack(seq, op) + U32.pack(len(data)) + data]
-    parts = [head + body]  # one part before the array's: a large one is sent part by part
+        return [head + body + _error(*error)]
+    parts: list[bytes | memoryview] = [head + body]  # a large array is sent part by part
     if array is not None:
-        put_array(parts, array)
+        array_head, data = array_parts(array)
+        parts += [array_head, data.data]
     return parts
+
+
+def closing(message: str) -> bytes:
+    """The REPLY that ends a session (to request ``CLOSING``): ``message`` says why."""
+    return REPLY_HEAD.pack(REPLY, CLOSING, BAD_REQUEST) + U32.pack(0) + _error(0, 0, message)
+
+
+def _error(seq: int, op: int, message: str) -> bytes:
+    data = message.encode("utf-8", "replace")[:4096]
+    return _ERROR_HEAD.pack(seq, op) + U32.pack(len(data)) + data
 
 
 def parse_reply(payload: memoryview) -> Reply:

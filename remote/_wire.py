@@ -18,6 +18,14 @@ direction's frames from 0), counted by the length: a frame altered, dropped, rep
 reordered fails its tag and the connection is closed. Inside a frame everything is
 little-endian, and the first payload byte is the frame's kind (the table below).
 
+A session with a memory limit (``max_session_bytes``) reads a frame of up to
+``SMALL_FRAME_BYTES`` whatever it holds, and a longer one only while it could hold that frame
+twice over (the frame, and the arrays decoded from it). A longer frame is refused from its
+header, before its body is read: the server answers a REPLY to request 0 (``_records``) that
+says why, reads the rest of the frame without keeping it, and closes the connection. The
+client keeps its frames below ``SMALL_FRAME_BYTES`` (a large array goes up in pieces:
+``_records``).
+
 Values
 ------
 A u8 tag and its body: NONE, FALSE, TRUE, INT (i64), FLOAT (f64), REF (u32 id), TUPLE (u16 n
@@ -37,6 +45,11 @@ import numpy as np
 
 PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 1 << 30
+# A session's frame this long is read whatever the session holds (its memory limit's slack);
+# the client sends an array larger than PIECE_BYTES in pieces of at most that, so that its
+# frames stay below it.
+SMALL_FRAME_BYTES = 1 << 22
+PIECE_BYTES = 1 << 20
 MAX_HELLO_FRAME = 256
 MAX_NDIM = 32
 MAX_NEST = 8
@@ -210,16 +223,25 @@ def dtype_code(dt: np.dtype[Any]) -> int:
 
 def put_array(parts: list[bytes], a: np.ndarray[Any, Any]) -> None:
     """Append an ARRAY value (C order, little-endian)."""
+    head, data = array_parts(a)
+    parts.append(head)
+    parts.append(data.tobytes())
+
+
+def array_parts(a: np.ndarray[Any, Any]) -> tuple[bytes, np.ndarray[Any, Any]]:
+    """An ARRAY value as its head and its data: a view of ``a`` where ``a`` is already C
+    order and little-endian (no copy; for a frame sent at once, before ``a`` may change),
+    else a converted copy."""
     if a.ndim > MAX_NDIM:
         raise TypeError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
     code = dtype_code(a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype)
     a = np.asarray(a, dtype=DTYPES[code].newbyteorder("<"))
     if not a.flags.c_contiguous:  # (not ascontiguousarray: it makes 0-d arrays 1-d)
         a = a.copy(order="C")
-    parts.append(_ARRAY_HEAD.pack(T_ARRAY, code, a.ndim))
+    head = _ARRAY_HEAD.pack(T_ARRAY, code, a.ndim)
     if a.ndim:
-        parts.append(struct.pack(f"<{a.ndim}Q", *a.shape))
-    parts.append(a.tobytes())
+        head += struct.pack(f"<{a.ndim}Q", *a.shape)
+    return head, a.reshape(-1).view(np.uint8)
 
 
 class Reader:

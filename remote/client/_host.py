@@ -5,44 +5,13 @@ over :func:`remote.devices`, which stays the primary API.
 
 from __future__ import annotations
 
-import re
-
 import tensorlib as tl
 
 from .._handshake import check_token
+from ._client import check_address, check_fingerprint, check_timeout
 from ._client import devices as _devices
 
 __all__ = ["RemoteHost"]
-
-# The same shape remote.devices parses: HOST:PORT, an IPv6 host in brackets.
-_ADDRESS = re.compile(r"\[?([^\[\]]+?)\]?:(\d+)")
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
-
-
-def _check_address(address: object) -> str:
-    if not isinstance(address, str):
-        raise TypeError(f"RemoteHost: address must be a 'HOST:PORT' str, got {address!r}")
-    m = _ADDRESS.fullmatch(address.strip())
-    if m is None or not m.group(1).strip():
-        raise ValueError(f"RemoteHost: address must be 'HOST:PORT', got {address!r}")
-    port = int(m.group(2))
-    if not 1 <= port <= 65535:
-        raise ValueError(f"RemoteHost: address {address!r} has port {port}; expected 1-65535")
-    return address.strip()
-
-
-def _check_fingerprint(fingerprint: object) -> str:
-    # remote.devices pins SHA-256 hex, colons and case ignored (what `serve --tls` prints).
-    if not isinstance(fingerprint, str):
-        raise TypeError(
-            f"RemoteHost: fingerprint must be a str (SHA-256 hex), got {type(fingerprint).__name__}"
-        )
-    if _FINGERPRINT.fullmatch(fingerprint.replace(":", "").strip().lower()) is None:
-        raise ValueError(
-            "RemoteHost: fingerprint must be the server certificate's SHA-256 as 64 hex digits "
-            f"(colons allowed), got {fingerprint!r}"
-        )
-    return fingerprint
 
 
 class RemoteHost:
@@ -62,15 +31,16 @@ class RemoteHost:
     __slots__ = ("_address", "_fingerprint", "_token")
 
     _address: str
-    _token: str | bytes | None
+    _token: bytes | None
     _fingerprint: str | None
 
     def __init__(self, address: str) -> None:
-        object.__setattr__(self, "_address", _check_address(address))
+        check_address(address, "RemoteHost")
+        object.__setattr__(self, "_address", address.strip())
         object.__setattr__(self, "_token", None)
         object.__setattr__(self, "_fingerprint", None)
 
-    def _replace(self, token: str | bytes | None, fingerprint: str | None) -> RemoteHost:
+    def _replace(self, token: bytes | None, fingerprint: str | None) -> RemoteHost:
         new = RemoteHost(self._address)
         object.__setattr__(new, "_token", token)
         object.__setattr__(new, "_fingerprint", fingerprint)
@@ -83,7 +53,8 @@ class RemoteHost:
         raise AttributeError("RemoteHost is immutable")
 
     def with_credential(self, token: str | bytes) -> RemoteHost:
-        """This host with the server's token (a non-empty str or bytes).
+        """This host with the server's token (a non-empty str or bytes; surrounding
+        whitespace stripped, as the server strips its token file's).
 
         Raises:
             TypeError: ``token`` is not str or bytes.
@@ -98,7 +69,8 @@ class RemoteHost:
             TypeError: ``fingerprint`` is not a str.
             ValueError: it is not 64 hex digits (colons and case ignored).
         """
-        return self._replace(self._token, _check_fingerprint(fingerprint))
+        fp = check_fingerprint(fingerprint, "RemoteHost.with_fingerprint")
+        return self._replace(self._token, fp)
 
     @property
     def address(self) -> str:
@@ -122,10 +94,12 @@ class RemoteHost:
             timeout: seconds without an answer or heartbeat after which the server is lost.
 
         Raises:
+            TypeError, ValueError: ``timeout`` is not a positive number.
             RemoteAuthError: a wrong or missing token, or a wrong fingerprint.
             RemoteConnectionError: the server cannot be reached.
         """
-        return _devices(self._address, self._token, self._fingerprint, timeout)
+        seconds = check_timeout(timeout, "RemoteHost.devices")
+        return _devices(self._address, self._token, self._fingerprint, seconds)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RemoteHost):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +23,18 @@ import numpy as np
 import tensorlib
 
 from .._errors import RemoteConnectionError, RemoteError, RemoteOpError
-from .._records import OP_ERROR, Reply, drop_record, parse_reply, record, records_frame, reply_array
-from .._wire import HEARTBEAT, OPS, READ, SYNC, ProtocolError
+from .._records import (
+    CLOSING,
+    FLAG_OUT,
+    OP_ERROR,
+    Reply,
+    drop_record,
+    parse_reply,
+    record,
+    records_frame,
+    reply_array,
+)
+from .._wire import HEARTBEAT, OPS, PIECE_BYTES, READ, SYNC, ProtocolError
 from ._array import RemoteArray, code
 
 if TYPE_CHECKING:
@@ -56,6 +68,24 @@ def _describe_site(site: tuple[Any, int] | None) -> str:
     c, lasti = site
     line = next((ln for start, end, ln in c.co_lines() if start <= lasti < end), None)
     return f"{c.co_filename}:{line if line is not None else '?'} in {c.co_name}"
+
+
+def _closing(reply: Reply) -> str:
+    return f"the server closed the session: {reply.error[2] if reply.error else '?'}"
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[Any, ...]]:
+    """Indices that cover an array of ``shape`` in C order, each at most ``PIECE_BYTES``
+    (or one element): runs of rows, or pieces of each row where a row is larger."""
+    row = math.prod(shape[1:]) * itemsize
+    if row <= PIECE_BYTES or len(shape) == 1:
+        k = max(1, PIECE_BYTES // max(row, 1))
+        for i in range(0, shape[0], k):
+            yield (slice(i, i + k),)
+    else:
+        for i in range(shape[0]):
+            for rest in _pieces(shape[1:], itemsize):
+                yield (i, *rest)
 
 
 class Session:
@@ -228,7 +258,8 @@ class Session:
         try:
             self._framed.send(payload)
         except OSError as exc:
-            raise self._die(f"sending to it failed ({type(exc).__name__}: {exc})") from exc
+            why = self._closing_reason() or f"sending to it failed ({type(exc).__name__}: {exc})"
+            raise self._die(why) from exc
 
     def flush(self) -> None:
         """Send what is buffered (drops included) without waiting for anything."""
@@ -279,6 +310,8 @@ class Session:
                 if payload[0] == HEARTBEAT:
                     continue
                 reply = parse_reply(payload)
+                if reply.request == CLOSING:
+                    raise self._die(_closing(reply))
                 if reply.request != req:
                     raise ProtocolError(f"a reply to request {reply.request}, waiting for {req}")
                 error = self._take_reply(reply)
@@ -319,6 +352,22 @@ class Session:
             )
         return RemoteOpError(f"{self.device}: the server refused a request: {message}")
 
+    def _closing_reason(self) -> str | None:
+        """Why the server ended the session, if it said so (a send to it failed: its REPLY to
+        request ``CLOSING`` may be waiting on the socket)."""
+        framed = self._framed
+        if framed is None:
+            return None
+        try:
+            framed.sock.settimeout(1.0)
+            while True:
+                payload = framed.recv()
+                if payload[0] != HEARTBEAT:
+                    reply = parse_reply(payload)
+                    return _closing(reply) if reply.request == CLOSING else None
+        except (OSError, EOFError, ProtocolError, IndexError):
+            return None
+
     def _die(self, why: str) -> RemoteConnectionError:
         err = RemoteConnectionError(
             f"lost the connection to remote server {self.server.where} "
@@ -331,9 +380,21 @@ class Session:
 
     # ------------------------------------------------------------------ arguments
     def upload(self, host: np.ndarray[Any, Any]) -> RemoteArray:
-        """A copy of the NumPy array ``host`` on this device."""
+        """A copy of the NumPy array ``host`` on this device.
+
+        One larger than ``PIECE_BYTES`` goes up in pieces (``_records``): the server makes
+        the array first, so a session's memory limit refuses it before any of it is held,
+        and no frame carries more than a piece of it.
+        """
         host = np.asarray(host)
-        return self.issue_new(code("upload"), (host,), tuple(host.shape), host.dtype)
+        if host.nbytes <= PIECE_BYTES:
+            return self.issue_new(code("upload"), (host,), tuple(host.shape), host.dtype)
+        dt = host.dtype.newbyteorder("=") if host.dtype.byteorder == ">" else host.dtype
+        shape = tuple(host.shape)
+        out = self.issue_new(code("upload"), (shape, dt), shape, dt)
+        for index in _pieces(shape, dt.itemsize):
+            self.issue(code("setitem"), FLAG_OUT, out._id, (index, host[index]))
+        return out
 
     def index_arg(self, index: Any) -> Any:
         """``index`` ready for a record: lists as arrays, this device's boolean masks read

@@ -1,5 +1,6 @@
 """Burn's server builder: :class:`RemoteServer` with :class:`TokenAuthorizer`, an immutable
-builder over :func:`remote.serve`, which stays the primary API.
+builder over :func:`serve`, which stays the primary API; both check their arguments with
+``_checks`` before anything starts listening.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 import tensorlib as tl
 
 from .._handshake import check_token
+from ._checks import check_devices, check_host, check_limit, check_port, check_tls
 from ._server import Server, serve
 
 __all__ = ["RemoteServer", "TokenAuthorizer"]
@@ -18,11 +20,12 @@ class TokenAuthorizer:
     """A server's shared-secret check: clients must prove they know ``token``.
 
     Args:
-        token: a non-empty str or bytes. The repr never shows it.
+        token: a non-empty str or bytes; surrounding whitespace (a file's trailing newline)
+            is stripped, as clients strip theirs. The repr never shows it.
 
     Raises:
         TypeError: ``token`` is not str or bytes.
-        ValueError: it is empty.
+        ValueError: it is empty (or only whitespace).
     """
 
     __slots__ = ("_token",)
@@ -31,8 +34,8 @@ class TokenAuthorizer:
         self._token = check_token(token, "TokenAuthorizer")
 
     @property
-    def token(self) -> str | bytes:
-        """The secret, for :func:`remote.serve`."""
+    def token(self) -> bytes:
+        """The secret (UTF-8, whitespace stripped), for :func:`remote.serve`."""
         return self._token
 
     def __repr__(self) -> str:
@@ -57,12 +60,7 @@ class RemoteServer:
     __slots__ = ("_authorizer", "_devices", "_host", "_max_session_bytes", "_port", "_tls")
 
     def __init__(self, devices: Sequence[str | tl.Device]) -> None:
-        if isinstance(devices, (str, tl.Device)):
-            raise TypeError(f"RemoteServer: devices must be a list, e.g. [{str(devices)!r}]")
-        specs = tuple(str(d) for d in devices)
-        if not specs:
-            raise ValueError("RemoteServer: give at least one device")
-        self._devices = specs
+        self._devices = check_devices(devices, "RemoteServer")
         self._authorizer: TokenAuthorizer | None = None
         self._host = "127.0.0.1"
         self._port = 0
@@ -95,11 +93,7 @@ class RemoteServer:
             TypeError: ``host`` is not a str.
             ValueError: it is empty.
         """
-        if not isinstance(host, str):
-            raise TypeError(f"RemoteServer.with_host: host must be a str, got {host!r}")
-        if not host.strip():
-            raise ValueError("RemoteServer.with_host: host must not be empty")
-        return self._copy(_host=host.strip())
+        return self._copy(_host=check_host(host, "RemoteServer.with_host"))
 
     def with_port(self, port: int) -> RemoteServer:
         """This server listening on ``port`` (0, the default: any free one).
@@ -108,11 +102,7 @@ class RemoteServer:
             TypeError: ``port`` is not an int.
             ValueError: it is outside 0-65535.
         """
-        if isinstance(port, bool) or not isinstance(port, int):
-            raise TypeError(f"RemoteServer.with_port: port must be an int, got {port!r}")
-        if not 0 <= port <= 65535:
-            raise ValueError(f"RemoteServer.with_port: port must be in 0-65535, got {port}")
-        return self._copy(_port=port)
+        return self._copy(_port=check_port(port, "RemoteServer.with_port"))
 
     def with_tls(self, tls: bool | tuple[str, str] = True) -> RemoteServer:
         """This server speaking TLS: True for a fresh self-signed certificate, or
@@ -121,14 +111,7 @@ class RemoteServer:
         Raises:
             TypeError: ``tls`` is neither a bool nor a pair of paths.
         """
-        ok = isinstance(tls, bool) or (
-            isinstance(tls, tuple) and len(tls) == 2 and all(isinstance(p, str) for p in tls)
-        )
-        if not ok:
-            raise TypeError(
-                f"RemoteServer.with_tls: expected True/False or (certfile, keyfile), got {tls!r}"
-            )
-        return self._copy(_tls=tls)
+        return self._copy(_tls=check_tls(tls, "RemoteServer.with_tls"))
 
     def with_max_session_bytes(self, limit: int | None) -> RemoteServer:
         """This server limiting what one session's arrays may hold (None: no limit).
@@ -137,10 +120,7 @@ class RemoteServer:
             TypeError: ``limit`` is neither an int nor None.
             ValueError: it is not positive.
         """
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
-            raise TypeError(f"RemoteServer.with_max_session_bytes: expected an int, got {limit!r}")
-        if limit is not None and limit <= 0:
-            raise ValueError(f"RemoteServer.with_max_session_bytes: must be positive, got {limit}")
+        limit = check_limit(limit, "RemoteServer.with_max_session_bytes")
         return self._copy(_max_session_bytes=limit)
 
     def serve(self) -> Server:
@@ -150,8 +130,8 @@ class RemoteServer:
             The running :class:`remote.Server`: ``address`` for clients, ``close()``.
 
         Raises:
-            ValueError: a non-loopback host without an authorizer, or a device that is not
-                local.
+            ValueError: a non-loopback host without an authorizer, a host that does not
+                resolve, or a device that is not local.
             RemoteError: TLS without ``cryptography``.
         """
         token = self._authorizer.token if self._authorizer is not None else None

@@ -40,11 +40,13 @@ __all__ = ["ADAM_WRITTEN", "Handler", "adam_writes", "handlers"]
 Handler = Callable[[Sequence[Any], Any], Any]
 
 
-def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Handler | None]:
-    """The op table for array module ``xp``: ``OPS[i]`` runs as ``table[i](args, out)``;
-    ``guard(nbytes)`` vets what a creation op would allocate before it does.
+def handlers(xp: Any, guard: Callable[[int], None] | None = None) -> list[Handler | None]:
+    """The op table for array module ``xp``: ``OPS[i]`` runs as ``table[i](args, out)``.
 
-    Names come from the fixed table in ``_wire``, never from the wire.
+    With ``guard``, an op that makes a new array first calls ``guard(nbytes)`` with what its
+    result will take (``_SIZES``: from its operands' shapes and dtypes, before it allocates
+    anything), so that a session's memory limit refuses it before it exists. Names come from
+    the fixed table in ``_wire``, never from the wire.
     """
     table: list[Handler | None] = [None] * len(OPS)
 
@@ -61,18 +63,10 @@ def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Han
             set_(name, _unary(f))
     for name in REDUCTIONS:
         set_(name, _reduction(name, with_dtype=name in ("sum", "mean", "prod")))
-    set_("upload", lambda a, out: xp.asarray(a[0]))
-
-    def full(a: Sequence[Any], out: Any) -> Any:
-        guard(math.prod(a[0]) * np.dtype(a[2]).itemsize)
-        return xp.full(a[0], a[1], dtype=a[2])
-
-    def arange(a: Sequence[Any], out: Any) -> Any:
-        guard(max(0, math.ceil((a[1] - a[0]) / a[2])) * np.dtype(a[3]).itemsize)
-        return xp.arange(a[0], a[1], a[2], dtype=a[3])
-
-    set_("full", full)
-    set_("arange", arange)
+    # UPLOAD: its ARRAY, or (shape, dtype) of an array of zeros whose pieces follow
+    set_("upload", lambda a, out: xp.asarray(a[0]) if len(a) == 1 else xp.zeros(a[0], a[1]))
+    set_("full", lambda a, out: xp.full(a[0], a[1], dtype=a[2]))
+    set_("arange", lambda a, out: xp.arange(a[0], a[1], a[2], dtype=a[3]))
     set_("matmul", lambda a, out: xp.matmul(a[0], a[1], out=out))
     set_("reshape", lambda a, out: a[0].reshape(a[1]))
     set_("transpose", lambda a, out: a[0].transpose(a[1]))
@@ -92,6 +86,11 @@ def handlers(xp: Any, guard: Callable[[int], None] = lambda n: None) -> list[Han
     set_("add_at", lambda a, out: _add_at(xp, out, a[0], a[1]))
     set_("adam", _adam(xp.ndarray))
     _fused_nn(set_, xp)
+    if guard is not None:
+        for code, size in _sizes().items():
+            fn = table[code]
+            if fn is not None:
+                table[code] = _guarded(fn, size, guard)
     return table
 
 
@@ -246,3 +245,211 @@ def adam_writes(args: Sequence[Any]) -> list[int]:
         xs = args[k] if len(args) > k else ()
         out += [x for x in xs if type(x) is Ref] if type(xs) is tuple else []
     return out
+
+
+# ---------------------------------------------------------------------------- result sizes
+# What each op that makes a new array will allocate for it, computed from its operands'
+# shapes and dtypes by NumPy's rules (broadcasting, type resolution, indexing) without
+# touching their data, so that a session's limit refuses the op before it allocates. Ops not
+# here make views (reshape of a contiguous array, transpose, broadcast_to...) or write in
+# place (setitem, fill, add_at, adam, collective, any op given ``out``).
+Size = Callable[[Sequence[Any]], int]
+
+
+def _guarded(fn: Handler, size: Size, guard: Callable[[int], None]) -> Handler:
+    def run(a: Sequence[Any], out: Any) -> Any:
+        if out is None:
+            try:
+                nbytes = size(a)
+            except Exception:  # malformed operands: the op itself raises NumPy's error
+                nbytes = 0
+            guard(nbytes)
+        return fn(a, out)
+
+    return run
+
+
+def _sizes() -> dict[int, Size]:
+    """The size of each guarded op's result (results, for ops that make several), by code."""
+    sizes: dict[str, Size] = {
+        "upload": lambda a: (
+            int(a[0].nbytes) if len(a) == 1 else math.prod(a[0]) * np.dtype(a[1]).itemsize
+        ),
+        "full": lambda a: math.prod(a[0]) * np.dtype(a[2]).itemsize,
+        "arange": lambda a: max(0, math.ceil((a[1] - a[0]) / a[2])) * np.dtype(a[3]).itemsize,
+        "matmul": lambda a: (
+            _matmul_count(_shape(a[0]), _shape(a[1])) * _ufunc_itemsize(np.matmul, a[0], a[1])
+        ),
+        "reshape": _reshape_size,
+        "getitem": lambda a: _index_count(a[0].shape, a[1]) * a[0].dtype.itemsize,
+        "concatenate": _joined_size,
+        "stack": _joined_size,
+        "copy": lambda a: int(a[0].nbytes),
+        "astype": lambda a: int(a[0].size) * np.dtype(a[1]).itemsize,
+        "where": lambda a: _broadcast_count(a) * _result_itemsize(a[1:]),
+        "clip": lambda a: _broadcast_count(a) * _result_itemsize(a),
+        "linear": lambda a: math.prod(a[0].shape[:-1]) * a[1].shape[0] * _result_itemsize(a[:2]),
+        "linear_grad": _linear_grad_size,
+        # the probabilities, and the loss (at most one a row)
+        "cross_entropy": lambda a: int(a[0].nbytes) + int(a[0].nbytes) // max(1, a[0].shape[-1]),
+        "cross_entropy_grad": lambda a: int(a[0].nbytes),
+        "relu_grad": lambda a: int(a[0].nbytes),
+    }
+    for name in BINARY_UFUNCS + UNARY_UFUNCS:
+        sizes[name] = _elementwise_size(getattr(np, name))
+    for name in REDUCTIONS:
+        sizes[name] = _reduce_size(name)
+    return {OP_CODES[name]: size for name, size in sizes.items()}
+
+
+def _elementwise_size(ufunc: np.ufunc) -> Size:
+    n = ufunc.nin
+
+    def size(a: Sequence[Any]) -> int:
+        return _broadcast_count(a[:n]) * _ufunc_itemsize(ufunc, *a[:n])
+
+    return size
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    if type(x) in _NUMBERS:
+        return ()
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
+_NUMBERS = (bool, int, float)
+
+
+def _kind(x: Any) -> Any:
+    """What decides ``x``'s part in a result dtype: a Python number's type (weak, NEP 50),
+    else its dtype."""
+    t = type(x)
+    return t if t is bool or t is int or t is float else x.dtype
+
+
+_itemsizes: dict[tuple[Any, ...], int] = {}  # by ufunc and operand kinds: a few dozen
+
+
+def _ufunc_itemsize(ufunc: np.ufunc, *operands: Any) -> int:
+    key = (ufunc, *map(_kind, operands))
+    n = _itemsizes.get(key)
+    if n is None:
+        try:
+            n = np.dtype(ufunc.resolve_dtypes((*key[1:], None))[-1]).itemsize
+        except (TypeError, ValueError):  # no loop: the op raises NumPy's error itself
+            n = 0
+        _itemsizes[key] = n
+    return n
+
+
+def _result_itemsize(operands: Sequence[Any]) -> int:
+    kinds = [x if type(x) in (bool, int, float) else x.dtype for x in operands if x is not None]
+    return int(np.result_type(*kinds).itemsize)
+
+
+def _broadcast_count(operands: Sequence[Any]) -> int:
+    """The elements of ``operands`` broadcast together (by dimension: a few steps an op)."""
+    shapes = [_shape(x) for x in operands if x is not None]
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return math.prod(first)
+    count = 1
+    for i in range(1, max(map(len, shapes)) + 1):
+        dim = 1
+        for s in shapes:
+            d = s[-i] if len(s) >= i else 1
+            if d != 1:
+                if dim != 1 and d != dim:
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+                dim = d
+        count *= dim
+    return count
+
+
+def _matmul_count(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    rows = a[-2] if len(a) > 1 else 1
+    cols = b[-1] if len(b) > 1 else 1
+    return math.prod(np.broadcast_shapes(a[:-2], b[:-2])) * rows * cols
+
+
+def _reshape_size(a: Sequence[Any]) -> int:
+    """A reshape copies only an array it cannot view in the new shape."""
+    x = a[0]
+    if x.flags.c_contiguous:
+        return 0
+    if type(x) is np.ndarray:
+        try:
+            np.reshape(x, a[1], copy=False)  # NumPy 2.1+: raises if it would copy
+            return 0
+        except ValueError:
+            pass
+        except TypeError:  # an older NumPy: count the copy it may make
+            pass
+    return int(x.nbytes)
+
+
+def _joined_size(a: Sequence[Any]) -> int:
+    xs = a[0]
+    return sum(int(x.size) for x in xs) * _result_itemsize(xs)
+
+
+def _index_count(shape: tuple[int, ...], index: Any) -> int:
+    """The elements of ``x[index]`` for ``x`` of ``shape`` (0 for a basic index: a view)."""
+    parts = list(index) if type(index) is tuple else [index]
+    if not any(hasattr(p, "dtype") and not isinstance(p, np.generic) for p in parts):
+        return 0
+    used = sum(p.ndim if getattr(p, "dtype", None) == np.bool_ else 1 for p in parts)
+    used -= sum(1 for p in parts if p is None or p is Ellipsis)
+    count, axis = 1, 0
+    block: list[tuple[int, ...]] = []
+    for p in parts:
+        if p is None:
+            continue
+        if p is Ellipsis:
+            k = len(shape) - used
+            count *= math.prod(shape[axis : axis + k])
+            axis += k
+        elif type(p) is slice:
+            count *= len(range(*p.indices(shape[axis])))
+            axis += 1
+        elif hasattr(p, "dtype") and p.dtype == np.bool_:
+            block.append((int(p.sum()),))  # the mask's True entries
+            axis += p.ndim
+        else:  # an integer array, or an integer (one element of the advanced block)
+            block.append(_shape(p))
+            axis += 1
+    return count * math.prod(shape[axis:]) * math.prod(np.broadcast_shapes(*block))
+
+
+_reduce_itemsizes: dict[tuple[Any, ...], int] = {}
+
+
+def _reduce_size(name: str) -> Size:
+    def size(a: Sequence[Any]) -> int:
+        x, axis = a[0], a[1]
+        if axis is None:
+            count = 1
+        else:
+            axes = {int(i) % x.ndim for i in ((axis,) if type(axis) is int else axis)}
+            count = math.prod(d for i, d in enumerate(x.shape) if i not in axes)
+        dtype = a[3] if len(a) > 3 else None
+        key = (name, x.dtype, dtype)
+        n = _reduce_itemsizes.get(key)
+        if n is None:  # NumPy's own choice, on one element (mean of ints: float64...)
+            one = np.ones(1, dtype=x.dtype)
+            kwargs = {} if dtype is None else {"dtype": dtype}
+            with np.errstate(all="ignore"):
+                n = int(getattr(one, name)(**kwargs).dtype.itemsize)
+            _reduce_itemsizes[key] = n
+        return count * n
+
+    return size
+
+
+def _linear_grad_size(a: Sequence[Any]) -> int:
+    g, x, w, need_x, need_w, need_b = a
+    return (
+        (int(x.nbytes) if need_x is True else 0)
+        + (int(w.nbytes) if need_w is True else 0)
+        + (int(g.nbytes) // max(1, math.prod(g.shape[:-1])) if need_b is True else 0)
+    )

@@ -5,7 +5,10 @@ bound to the device once the handshake is done, receives each frame, reads its r
 runs them one by one through the fixed op table (``_ops.handlers``). An op that fails
 poisons its result (and what is computed from it later); the first failure since the last
 reply is reported with the next reply. Arrays are counted by the buffer they own (a view
-costs nothing more) against ``max_session_bytes``.
+costs nothing more) against ``max_session_bytes``, and refused before they exist: an op's
+result by its size from shapes and dtypes (``_ops``), a frame by its header, before its body
+is read (``_wire``: a session reads a frame over ``SMALL_FRAME_BYTES`` only while it could
+hold it twice; a longer one ends the session with a message that says why).
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from .._conn import Framed
-from .._records import FLAG_OUT, frame_waits, raw_values, read_target, records, reply
-from .._wire import ADAM, DROP, OP_CODES, OPS, OUTPUTS, READ, SYNC, Ref
+from .._conn import Framed, FrameTooLongError
+from .._records import (
+    FLAG_OUT,
+    closing,
+    frame_waits,
+    raw_values,
+    read_target,
+    records,
+    reply,
+)
+from .._wire import ADAM, DROP, OP_CODES, OPS, OUTPUTS, READ, SMALL_FRAME_BYTES, SYNC, Ref
 from ._collective import collective_handler
 from ._ops import ADAM_WRITTEN, adam_writes, handlers
 
@@ -66,7 +77,7 @@ class Worker:
         self._seq = 0
         self._failed: list[int] = []
         self._first: Poison | None = None
-        self._table = handlers(xp, self._guard)
+        self._table = handlers(xp, None if limit is None else self._guard)
         self._table[OP_CODES["collective"]] = collective_handler(self)  # needs the table
         self._array_type = xp.ndarray
         self._lock = threading.Lock()
@@ -84,7 +95,11 @@ class Worker:
             self.device.__enter__()  # this thread's current GPU
         try:
             while not self.closed:
-                payload = self.framed.recv()
+                try:
+                    payload = self.framed.recv(room=self._room())
+                except FrameTooLongError as exc:
+                    self._refuse_frame(exc)
+                    return
                 waits = frame_waits(payload)
                 if waits:
                     self.add_waiting(waits)
@@ -97,6 +112,27 @@ class Worker:
             self._owner.clear()
             self._buffers.clear()
             self.bytes = 0
+
+    def _room(self) -> int | None:
+        """The longest frame this session reads now (None: no limit): a small one always,
+        a longer one while the session could hold it twice (the frame, and the arrays
+        decoded from it)."""
+        if self.limit is None:
+            return None
+        return max(SMALL_FRAME_BYTES, (self.limit - self.bytes) // 2)
+
+    def _refuse_frame(self, exc: FrameTooLongError) -> None:
+        """End the session over a frame too long for its memory limit, from its header: say
+        why, then read the rest of the frame without keeping it (so the client finishes
+        sending it and reads the reason), and return (the connection closes)."""
+        message = (
+            f"the session's memory limit: a frame of {exc.length} bytes is more than the "
+            f"session may take now (max_session_bytes={self.limit}, {self.bytes} bytes held; "
+            f"a frame over {SMALL_FRAME_BYTES} bytes is read only while the session could "
+            "hold it twice), so the server closed the session before reading it"
+        )
+        self.framed.send(closing(message))
+        self.framed.discard(exc.unread)
 
     def add_waiting(self, n: int) -> None:
         with self._lock:
