@@ -181,7 +181,7 @@ def test_seed_spawn_with_join_false_returns_a_context_to_join(alone: None) -> No
 
 def test_a_seed_worker_that_never_joins_fails_the_job(alone: None) -> None:
     # Both ranks skip initialize(); whichever is reported first is named.
-    with pytest.raises(Exception, match="rank [01] of 2 returned without joining the group"):
+    with pytest.raises(Exception, match=r"rank [01] of 2 returned without joining the group"):
         idist.spawn(_never_joins, nprocs=2, backend="threads")
     assert idist.spawn(_never_joins, nprocs=1, backend="threads") == [1]  # alone is fine
 

@@ -116,7 +116,7 @@ def test_hosts_are_immutable_and_never_show_the_token() -> None:
     assert TOKEN not in repr(host) and "***" in repr(host) and fp in repr(host)
     assert host != base and host == base.with_credential(TOKEN).with_fingerprint(fp)
     with pytest.raises(AttributeError, match="immutable"):
-        host._token = "x"
+        host._token = b"x"
     assert remote.RemoteHost("[::1]:80").address == "[::1]:80"
 
 
