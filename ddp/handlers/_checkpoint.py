@@ -108,7 +108,7 @@ class Checkpoint:
     - ``score_name`` too: ``{score_name}={score}`` / ``{global_step}_{score_name}={score}``.
 
     The score is printed as an int, or a float with 4 decimals. ``filename_pattern``
-    replaces this (placeholders ``{filename_prefix}``, ``{name}``, ``{score}``,
+    replaces this (fields ``{filename_prefix}``, ``{name}``, ``{score}``,
     ``{score_name}``, ``{global_step}``, ``{ext}``). A name used again overwrites its file.
 
     Without a score the checkpoints are ranked by global step (iteration): the ``n_saved``
