@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._backward import RemovableHandle
 from .._device import Device, is_device_spec
 from .._device_guard import on_device
 from .._dtype import is_floating
@@ -304,7 +305,56 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        d = self.__dict__
+        pre, post = d.get("_forward_pre_hooks"), d.get("_forward_hooks")
+        if not pre and not post:  # the common case: one dict lookup each, no hook machinery
+            return self.forward(*args, **kwargs)
+        for hook in list((pre or {}).values()):
+            new_args = hook(self, args)
+            if new_args is not None:
+                args = new_args if isinstance(new_args, tuple) else (new_args,)
+        out = self.forward(*args, **kwargs)
+        for hook in list((post or {}).values()):
+            new_out = hook(self, args, out)
+            if new_out is not None:
+                out = new_out
+        return out
+
+    def register_forward_pre_hook(self, hook: Callable[[Module, tuple[Any, ...]], Any]) -> Any:
+        """Call ``hook(module, args)`` before each ``forward`` (PyTorch's signature).
+
+        ``args`` are the positional arguments (keyword arguments go to ``forward`` untouched);
+        a hook that returns something other than None replaces them (a non-tuple becomes a
+        one-element tuple). Hooks run in registration order.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._add_hook("_forward_pre_hooks", hook)
+
+    def register_forward_hook(self, hook: Callable[[Module, tuple[Any, ...], Any], Any]) -> Any:
+        """Call ``hook(module, args, output)`` after each ``forward`` (PyTorch's signature).
+
+        A hook that returns something other than None replaces the output. Hooks run in
+        registration order.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self._add_hook("_forward_hooks", hook)
+
+    def _add_hook(self, table: str, hook: Callable[..., Any]) -> Any:
+        if not callable(hook):
+            raise TypeError(f"a forward hook must be callable, got {hook!r}")
+        hooks = self.__dict__.get(table)
+        if hooks is None:
+            # Made on first use, so modules without hooks (and subclasses that never call
+            # this) pay nothing in __call__.
+            hooks = OrderedDict()
+            object.__setattr__(self, table, hooks)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
     def extra_repr(self) -> str:
         """Extra text shown in ``repr`` (layer sizes and options)."""
