@@ -5,7 +5,8 @@ data loader, ``auto_model``/``auto_optim``/``auto_dataloader``, ``one_rank_only`
 atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`` API),
 ``sync_gradients``/``sync_parameters`` and ``ddp.functional`` (collectives with gradients);
 ``ddp.learner`` (Burn's Learner, SupervisedTraining and ExecutionStrategy); ``ddp.axon``
-(axonml-distributed's API: World, ProcessGroup, MockBackend, GradientBucket...).
+(axonml-distributed's API: World, ProcessGroup, MockBackend, GradientBucket...);
+``ZeroRedundancyOptimizer`` (ZeRO-1) and ``memory_stats`` (bytes held per rank).
 """
 
 from . import axon, functional, idist, learner
@@ -15,9 +16,12 @@ from ._data import DataLoader
 from ._ddp import DistributedDataParallel
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
 from ._join import Join, join
+from ._memory import memory_stats
 from ._reducer import StepStats
 from ._sampler import DistributedSampler
 from ._sync import sync_gradients, sync_parameters
+from .fsdp import fully_shard
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DataLoader",
@@ -26,17 +30,20 @@ __all__ = [
     "GradBucket",
     "Join",
     "StepStats",
+    "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "auto_dataloader",
     "auto_model",
     "auto_optim",
     "axon",
     "fp16_compress_hook",
+    "fully_shard",
     "functional",
     "idist",
     "join",
     "learner",
     "load_checkpoint",
+    "memory_stats",
     "one_rank_only",
     "save_checkpoint",
     "sync_gradients",
