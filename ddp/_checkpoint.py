@@ -31,6 +31,7 @@ from tensorlib import nn, optim
 from . import _rng
 from ._data import DataLoader
 from ._sampler import check_int
+from .fsdp import FSDPModule
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -164,6 +165,7 @@ def save_checkpoint(
     # Ranks draw differently (dropout, their own noise), so every rank's states are kept.
     mine = _rng.capture(bits)
     ranks = collectives.all_gather_object(mine) if world > 1 else [mine]
+    model_state = _gathered_state(where, module, optimizer)
     if collectives.get_rank() != _WRITER:
         error = collectives.broadcast_object(None, src=_WRITER)
         if error is not None:
@@ -172,7 +174,7 @@ def save_checkpoint(
     try:
         state = {
             "format": FORMAT,
-            "model": module.state_dict(),
+            "model": model_state,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": None if schedulers is None else [s.state_dict() for s in schedulers],
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -405,3 +407,30 @@ def _check_model_state(module: nn.Module, saved: dict[str, Any], target: Path) -
         raise ValueError(
             f"load_checkpoint: {target} does not match {type(module).__name__}: " + "; ".join(parts)
         )
+
+
+def _gathered_state(where: str, module: Any, optimizer: Any) -> Any:
+    """The model's state dict, with every rank taking part in what is sharded.
+
+    A ``fully_shard`` model's ``state_dict()`` all-gathers its full tensors, and a
+    ``ZeroRedundancyOptimizer`` sends its shards to the writer first: collectives, so every
+    rank runs them (rank 0 alone would wait for peers already in ``broadcast_object``).
+    """
+    consolidate = getattr(optimizer, "consolidate_state_dict", None)
+    if optimizer is not None and consolidate is None and _is_fully_sharded(module):
+        # Same answer on every rank, before any collective: nothing waits on anything.
+        raise NotImplementedError(
+            f"{where}: the optimizer of a fully_shard model holds this rank's shards of its "
+            "state only, and gathering them into one checkpoint is not supported yet (rank 0's "
+            "shards would be saved as if whole); save the model alone here, or each rank its "
+            "own: tl.save({'model': model.local_state_dict(), 'optimizer': "
+            "opt.state_dict()}, f'ckpt.rank{rank}.npz'), loaded at the same world size"
+        )
+    model_state = module.state_dict()
+    if consolidate is not None:
+        consolidate(to=_WRITER)
+    return model_state
+
+
+def _is_fully_sharded(module: Any) -> bool:
+    return any(isinstance(m, FSDPModule) for m in module.modules())
