@@ -12,6 +12,7 @@ atomic checkpoints, ``join`` for uneven inputs; ``ddp.idist`` (Ignite's ``idist`
 from . import axon, functional, idist, learner
 from ._auto import auto_dataloader, auto_model, auto_optim, one_rank_only
 from ._checkpoint import load_checkpoint, save_checkpoint
+from ._clip import clip_grad_norm_
 from ._data import DataLoader
 from ._ddp import DistributedDataParallel
 from ._hooks import GradBucket, allreduce_hook, fp16_compress_hook
@@ -36,6 +37,7 @@ __all__ = [
     "auto_model",
     "auto_optim",
     "axon",
+    "clip_grad_norm_",
     "fp16_compress_hook",
     "fully_shard",
     "functional",

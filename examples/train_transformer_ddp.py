@@ -18,6 +18,11 @@
     # one GPU per rank:
     python -m collectives.run --nproc-per-node 8 examples/train_transformer_ddp.py --device cuda
 
+    # sharded data parallelism (ZeRO): 1 = DDP + ZeroRedundancyOptimizer (1/N of AdamW's
+    # state per rank), 2 = fully_shard per block and at the root keeping the gathered
+    # parameters through backward, 3 = fully_shard freeing them after forward:
+    python examples/train_transformer_ddp.py --nproc 2 --zero 3
+
     # checkpoint every 50 steps; a restarted job resumes from the latest one, exactly:
     python -m collectives.run --nproc-per-node 2 --max-restarts 3 \
         examples/train_transformer_ddp.py --checkpoint-every 50
@@ -47,6 +52,13 @@ With ``--checkpoint-every K`` the run writes ``--checkpoint`` at step 0 and ever
 a restarted attempt (``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` above 0) resumes
 from it and makes the same updates as an uninterrupted run. A fresh attempt never resumes: its
 step-0 checkpoint replaces whatever an older run left at the path.
+
+``--zero 1|2|3`` trains the same model with its state sharded over the ranks (docs/ddp.md says
+when to pick which stage); each reaches DDP's validation loss. ZeRO-1 works with everything
+above. ZeRO-2/3 (``fully_shard``) clip with ``ddp.clip_grad_norm_`` (the global norm over
+every rank's gradient shards) and refuse, for now, ``--amp`` (no mixed precision under
+``fully_shard`` yet), ``--checkpoint-every`` (``save_checkpoint`` cannot yet save the sharded
+optimizer state), ``--compare-buckets`` (DDP's buckets) and ``--device cuda`` (CPU shards only).
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -70,12 +82,14 @@ from ddp import (
     DataLoader,
     DistributedDataParallel,
     DistributedSampler,
+    ZeroRedundancyOptimizer,
+    clip_grad_norm_,
+    fully_shard,
     load_checkpoint,
     save_checkpoint,
 )
 from tensorlib import Tensor, nn, optim
 from tensorlib.nn import init
-from tensorlib.nn.utils import clip_grad_norm_
 from tensorlib.optim import lr_scheduler
 
 # ---------------------------------------------------------------------------- data
@@ -244,7 +258,15 @@ class Config:
     progress: bool = True
     checkpoint: str = "runs/train_transformer_ddp.npz"
     checkpoint_every: int = 0  # steps; 0: no checkpoints
+    zero: int = 0  # ZeRO stage: 0 DDP, 1 ZeroRedundancyOptimizer, 2/3 fully_shard
 
+
+# What each --zero stage shards, for the start-up line.
+ZERO_HOW = {
+    1: "DDP + ZeroRedundancyOptimizer: AdamW state sharded",
+    2: "fully_shard, reshard_after_forward=False: gradients and AdamW state sharded",
+    3: "fully_shard, reshard_after_forward=True: parameters, gradients and AdamW state sharded",
+}
 
 # Bucket layouts for --compare-buckets: (name, first_bucket_mb, bucket_cap_mb).
 LAYOUTS = [
@@ -269,10 +291,27 @@ def rank_device(spec: str, local_rank: int) -> str:
 
 
 def build(cfg: Config, vocab: int, device: str, first_mb: float, cap_mb: float) -> Any:
-    """A freshly initialized model (seeded: identical on every call) wrapped in DDP."""
+    """A freshly initialized model (seeded: identical on every call) wrapped in DDP, or under
+    ``--zero 2|3`` sharded with ``fully_shard``: each block, then the root (the embeddings, the
+    final LayerNorm and the head), as FSDP2 users shard a transformer."""
     tl.manual_seed(cfg.seed)
     model = CharGPT(vocab, cfg.d_model, cfg.n_layer, cfg.n_head, cfg.block, device)
+    if cfg.zero >= 2:
+        for blk in model.blocks:
+            fully_shard(blk, reshard_after_forward=cfg.zero == 3)
+        return fully_shard(model, reshard_after_forward=cfg.zero == 3)
     return DistributedDataParallel(model, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
+
+
+def plain_model(model: Any, cfg: Config, vocab: int, device: str) -> CharGPT:
+    """The model to sample from on rank 0: DDP's module, or a sharded model's full parameters
+    gathered into a plain copy (``state_dict()`` is a collective: every rank calls this)."""
+    if isinstance(model, DistributedDataParallel):
+        return cast(CharGPT, model.module)
+    full = model.state_dict()
+    plain = CharGPT(vocab, cfg.d_model, cfg.n_layer, cfg.n_head, cfg.block, device)
+    plain.load_state_dict(full)
+    return plain
 
 
 @dataclass
@@ -287,8 +326,16 @@ class Trainer:
 
 
 def make_trainer(model: Any, cfg: Config) -> Trainer:
-    """AdamW; ``cfg.warmup`` steps of linear warm-up, then cosine decay to lr / 10."""
-    opt = optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    """AdamW (under ``--zero 1`` inside a ZeroRedundancyOptimizer, each rank stepping its
+    share; under ``--zero 2|3`` on the shards); ``cfg.warmup`` steps of linear warm-up, then
+    cosine decay to lr / 10."""
+    opt: optim.Optimizer
+    if cfg.zero == 1:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=optim.AdamW, lr=cfg.lr, weight_decay=0.01
+        )
+    else:
+        opt = optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = min(cfg.warmup, cfg.steps - 1)
     cosine = lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps - warmup, eta_min=cfg.lr / 10)
     sched: lr_scheduler.LRScheduler = cosine
@@ -302,14 +349,17 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     """One optimizer step over the micro-batches; the loss and the times DDP reports.
 
     Returns [loss, backward s, wait s, step s, when backward ended]: the backward times are the
-    last micro-batch's, the only one that communicates (the others run under ``no_sync``).
+    last micro-batch's, the only one that communicates under DDP (the others run under
+    ``no_sync``; a ``fully_shard`` model reduce-scatters every micro-batch's gradients, which
+    add up in the shards' ``.grad``, and reports no wait).
     """
+    ddp_model = isinstance(tr.model, DistributedDataParallel)
     t0 = time.perf_counter()
     tr.opt.zero_grad()
     total = 0.0
     for i, (xb, yb) in enumerate(micro):
         last = i == len(micro) - 1
-        with contextlib.nullcontext() if last else tr.model.no_sync():
+        with contextlib.nullcontext() if last or not ddp_model else tr.model.no_sync():
             with tl.autocast(dtype=tl.float16, enabled=cfg.amp):
                 loss = lm_loss(tr.model(xb), yb) * (1.0 / len(micro))
             t1 = time.perf_counter()
@@ -318,6 +368,8 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
         total += loss.item()
     tr.scaler.unscale_(tr.opt)  # the averaged gradients: every rank sees the same inf/NaN
     if cfg.clip > 0:
+        # ddp's clip: the global norm over fully_shard's gradient shards (a collective); with
+        # full gradients (DDP, ZeRO-1: averaged on every rank) it is tensorlib's plain clip.
         clip_grad_norm_(tr.model.parameters(), cfg.clip)
     scale = tr.scaler.get_scale()
     tr.scaler.step(tr.opt)  # skipped, on every rank alike, when a gradient overflowed
@@ -325,7 +377,7 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     tr.skipped += tr.scaler.get_scale() < scale
     tr.sched.step()
     t3 = time.perf_counter()
-    wait = tr.model.stats.wait_s
+    wait = tr.model.stats.wait_s if ddp_model else 0.0
     return [total, t2 - t1, wait, t3 - t0, t2 - wait]
 
 
@@ -395,6 +447,9 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     models = [build(cfg, len(vocab), device, first, cap) for _, first, cap in layouts]
     trainers = [make_trainer(m, cfg) for m in models]
     n_params = sum(p.size for p in models[0].parameters())
+    if cfg.zero >= 2:  # parameters() are this rank's shards; state_dict() gathers full ones
+        buffers = {k for k, _ in models[0].named_buffers()}
+        n_params = sum(v.size for k, v in models[0].state_dict().items() if k not in buffers)
     if master:
         print(
             f"{len(text):,} characters of pydoc_data.topics, vocabulary {len(vocab)}, "
@@ -402,10 +457,13 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
             f"world size {world} ({collectives.get_backend()}, {device}), global batch "
             f"{cfg.batch_size} = {world} x {cfg.batch_size // world}"
             + (f", {cfg.grad_accum} micro-batches per step" if cfg.grad_accum > 1 else "")
-            + (", float16 autocast + GradScaler" if cfg.amp else ""),
+            + (", float16 autocast + GradScaler" if cfg.amp else "")
+            + (f", ZeRO stage {cfg.zero} ({ZERO_HOW[cfg.zero]})" if cfg.zero else ""),
             flush=True,
         )
         for (name, _, _), m in zip(layouts, models, strict=True):
+            if not isinstance(m, DistributedDataParallel):
+                continue
             sizes = ", ".join(f"{b / 1024:.0f}" for b in m.bucket_sizes())
             print(f"  {name}: {len(m.bucket_sizes())} bucket(s) of [{sizes}] KiB", flush=True)
 
@@ -456,8 +514,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
                 print(
                     f"step {step:4d}  train loss {loss_sums[0] / since:.4f}  "
                     f"lr {trainers[0].sched.get_last_lr()[0]:.2e}  "
-                    f"{_recent_ms(rec[0]['step'], since):.1f} ms/step  "
-                    f"wait after backward {waits} ms",
+                    f"{_recent_ms(rec[0]['step'], since):.1f} ms/step"
+                    + (f"  wait after backward {waits} ms" if cfg.zero < 2 else ""),
                     flush=True,
                 )
             loss_sums[:] = 0.0
@@ -468,6 +526,7 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
     val_loss = evaluate(models[0], x_val, y_val, rank, world, device)
     skipped = trainers[0].skipped
     summary: dict[str, Any] = {"rank": rank, "val_loss": val_loss, "skipped_steps": skipped}
+    sampler_model = plain_model(models[0], cfg, len(vocab), device)
     if master:
         if cfg.amp:
             print(
@@ -475,11 +534,12 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
                 f"{trainers[0].scaler.get_scale():g}",
                 flush=True,
             )
-        print(f"validation loss {val_loss:.4f} ({min(len(x_val), 256)} windows)", flush=True)
+        print(f"validation loss {val_loss:.6f} ({min(len(x_val), 256)} windows)", flush=True)
         prompt = vocab.encode("The ")
-        sample = vocab.decode(generate(models[0].module, prompt, 160, device, cfg.seed))
+        sample = vocab.decode(generate(sampler_model, prompt, 160, device, cfg.seed))
         print(f"sample: {'The ' + sample!r}", flush=True)
-    summary["layouts"] = report_layouts(layouts, models, rec, master)
+    # The bucket table is DDP's (fully_shard has no buckets, nor stats.wait_s).
+    summary["layouts"] = report_layouts(layouts, models, rec, master) if cfg.zero < 2 else []
     if cfg.compare_buckets:
         same = all(
             np.array_equal(a.numpy(), b.numpy())
@@ -605,6 +665,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         metavar="K",
         help="write --checkpoint every K steps (0: never); a restarted job resumes from it",
     )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=d.zero,
+        help="ZeRO stage: 0 DDP; 1 DDP + ZeroRedundancyOptimizer; 2 fully_shard keeping the "
+        "gathered parameters through backward; 3 fully_shard freeing them after forward",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
@@ -619,6 +687,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         p.error("--warmup, --clip and --checkpoint-every must be >= 0")
     if a.checkpoint_every and a.compare_buckets:
         p.error("--checkpoint-every saves one model; --compare-buckets trains three")
+    if a.zero and a.compare_buckets:
+        p.error("--compare-buckets compares DDP's bucket layouts; leave out --zero")
+    if a.zero >= 2:
+        refused = [
+            (a.amp, "--amp: fully_shard has no mixed precision (autocast + GradScaler) yet"),
+            (
+                a.checkpoint_every,
+                "--checkpoint-every: save_checkpoint cannot yet save the per-rank optimizer "
+                "state of a fully_shard model (use --zero 1, which checkpoints and resumes)",
+            ),
+            (a.device != "cpu", f"--device {a.device}: fully_shard shards CPU parameters only"),
+        ]
+        for bad, why in refused:
+            if bad:
+                p.error(f"--zero {a.zero} cannot be combined with {why}")
     cfg = replace(
         d,
         steps=a.steps,
@@ -641,6 +724,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         progress=not a.no_progress,
         checkpoint=a.checkpoint,
         checkpoint_every=a.checkpoint_every,
+        zero=a.zero,
     )
     return cfg, a.nproc
 

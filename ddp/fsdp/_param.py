@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,19 @@ if TYPE_CHECKING:
 
     from ._unit import Unit
 
-__all__ = ["FullBuffer", "GatherParams", "PreBackward", "ShardedParam", "shard_rows"]
+__all__ = [
+    "FullBuffer",
+    "GatherParams",
+    "PreBackward",
+    "ShardedParam",
+    "layout_of_shard",
+    "shard_rows",
+]
+
+# id(shard Parameter) -> (a weak reference to it, its layout): how code that is handed only
+# parameters (``ddp.clip_grad_norm_``) tells a shard from a full parameter. Tensors compare
+# elementwise, so they cannot key a WeakKeyDictionary; an entry goes when its shard dies.
+_SHARDS: dict[int, tuple[weakref.ref[Parameter], ShardedParam]] = {}
 
 
 def shard_rows(d0: int, world: int) -> int:
@@ -64,6 +77,10 @@ class ShardedParam:
     shard: Parameter
     places: list[tuple[Module, str]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        key = id(self.shard)
+        _SHARDS[key] = (weakref.ref(self.shard, lambda _: _SHARDS.pop(key, None)), self)
+
     @property
     def shard_numel(self) -> int:
         """Elements of one rank's shard (padding included)."""
@@ -76,6 +93,12 @@ class ShardedParam:
         return flat[self.full_off : self.full_off + n].reshape(
             (self.rows * world, *self.shape[1:])
         )[: self.shape[0]]
+
+
+def layout_of_shard(p: Any) -> ShardedParam | None:
+    """The layout of ``p`` when it is a ``fully_shard`` shard, else None."""
+    entry = _SHARDS.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
 
 
 class FullBuffer:

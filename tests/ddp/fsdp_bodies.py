@@ -281,3 +281,90 @@ def unit_called_twice(seed: int, reshard: bool) -> float:
         mine = padded[rank * rows : (rank + 1) * rows]
         worst = max(worst, float(np.max(np.abs(got.numpy() - mine))))
     return worst
+
+
+def _train_clipped(
+    model: nn.Module, clip: Any, seed: int, steps: int, rank: int, max_norm: float, norm_type: float
+) -> list[float]:
+    """AdamW steps with the gradients clipped by ``clip``; the norms it returned."""
+    opt = tl.optim.AdamW(model.parameters(), lr=0.01)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        tokens, y = _batch(seed, step, rank)
+        ((model(tokens) - y) ** 2).mean().backward()
+        norms.append(float(clip(model.parameters(), max_norm, norm_type).item()))
+        opt.step()
+    return norms
+
+
+def clip_same_as_ddp(
+    seed: int, steps: int, reshard: bool, max_norm: float, norm_type: float
+) -> dict[str, Any]:
+    """Train sharded with ``ddp.clip_grad_norm_`` and under DDP with tensorlib's plain clip:
+    the norms each returned and how far the parameters are apart."""
+    from ddp import clip_grad_norm_
+    from tensorlib.nn.utils import clip_grad_norm_ as plain
+    from tensorlib.nn.utils import get_total_norm
+
+    rank = C.get_rank()
+    sharded = _shard(Model(seed), reshard)
+    reference = DistributedDataParallel(Model(seed))
+    fs_norms = _train_clipped(sharded, clip_grad_norm_, seed, steps, rank, max_norm, norm_type)
+    ref_norms = _train_clipped(reference, plain, seed, steps, rank, max_norm, norm_type)
+    full = sharded.state_dict()
+    ref = reference.module.state_dict()
+    # One more backward: the plain norm of this rank's shard gradients is a local one.
+    tokens, y = _batch(seed, steps, rank)
+    ((sharded(tokens) - y) ** 2).mean().backward()
+    local = float(
+        get_total_norm(
+            [q.grad for q in sharded.parameters() if q.grad is not None], norm_type
+        ).item()
+    )
+    global_norm = float(clip_grad_norm_(sharded.parameters(), 1e30, norm_type).item())
+    return {
+        "param_diff": max(float(np.max(np.abs(full[k].numpy() - ref[k].numpy()))) for k in ref),
+        "norm_rel_diff": max(abs(a - b) / b for a, b in zip(fs_norms, ref_norms, strict=True)),
+        "clipped_steps": sum(n > max_norm for n in ref_norms),
+        "last_norm": fs_norms[-1],
+        "local_norm_of_shards": local,
+        "global_norm": global_norm,
+        "world": C.get_world_size(),
+    }
+
+
+def _grad(p: Tensor) -> Any:
+    """``p.grad`` as a NumPy view (backward has set it)."""
+    if p.grad is None:
+        raise AssertionError("no gradient")
+    return p.grad.numpy()
+
+
+def clip_edge_cases(seed: int) -> dict[str, Any]:
+    """Without shards ddp's clip is tensorlib's; a nan in one rank's shard stops every rank."""
+    from ddp import clip_grad_norm_
+    from tensorlib.nn.utils import clip_grad_norm_ as plain
+
+    rank = C.get_rank()
+    a, b = Model(seed), Model(seed)
+    for m in (a, b):
+        tokens, y = _batch(seed, 0, rank)
+        ((m(tokens) - y) ** 2).mean().backward()
+    na = clip_grad_norm_(a.parameters(), 0.1)
+    nb = plain(b.parameters(), 0.1)
+    same = float(na.item()) == float(nb.item()) and all(
+        np.array_equal(_grad(p), _grad(q))
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+    sharded = _shard(Model(seed), True)
+    tokens, y = _batch(seed, 0, rank)
+    ((sharded(tokens) - y) ** 2).mean().backward()
+    if rank == 0:
+        _grad(next(iter(sharded.parameters())))[0, 0] = np.nan
+    try:
+        clip_grad_norm_(sharded.parameters(), 1.0, error_if_nonfinite=True)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    return {"plain_when_unsharded": same, "nonfinite": message}

@@ -152,3 +152,56 @@ def test_a_unit_called_twice_in_one_forward_gets_both_uses_gradients(
     world: RankPool, seed: int, reshard: bool
 ) -> None:
     assert max(run(world, "unit_called_twice", seed=seed, reshard=reshard)) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    ("reshard", "norm_type"),
+    [(True, 2.0), (False, 2.0), (True, float("inf")), (True, 1.0)],
+    ids=["zero3-l2", "zero2-l2", "zero3-inf", "zero3-l1"],
+)
+def test_clip_grad_norm_of_shards_is_the_global_norm_and_trains_as_ddp_clipped(
+    world: RankPool, seed: int, reshard: bool, norm_type: float
+) -> None:
+    # ddp.clip_grad_norm_ over a fully_shard model's shards against DDP with tensorlib's
+    # plain clip: the same norm on every rank, and the same training, to 1e-12 (not bitwise:
+    # the global norm sums the squares in another order, so the clip factor differs in the
+    # last bits).
+    max_norm = {2.0: 0.3, float("inf"): 0.1, 1.0: 2.0}[norm_type]
+    replies = run(
+        world,
+        "clip_same_as_ddp",
+        seed=seed,
+        steps=20,
+        reshard=reshard,
+        max_norm=max_norm,
+        norm_type=norm_type,
+    )
+    for rank, res in enumerate(replies):
+        where = f"rank {rank} on {world.label}"
+        assert res["clipped_steps"] >= 5, f"{where}: the clip rarely acted: {res}"
+        assert res["norm_rel_diff"] <= 1e-12, f"{where}: {res}"
+        assert res["param_diff"] <= 1e-12, f"{where}: {res}"
+        assert res["last_norm"] == replies[0]["last_norm"], f"{where}: ranks disagree"
+        if res["world"] > 1 and norm_type == 2.0:
+            # The plain clip over this rank's shards sees only a part of the gradient.
+            assert res["local_norm_of_shards"] < res["global_norm"], f"{where}: {res}"
+
+
+def test_clip_grad_norm_of_shards_is_the_global_norm_on_threads(seed: int) -> None:
+    pool = ThreadsPool(3, timeout=20.0, tag="fsdp")
+    replies = run(
+        pool, "clip_same_as_ddp", seed=seed, steps=10, reshard=True, max_norm=0.3, norm_type=2.0
+    )
+    for rank, res in enumerate(replies):
+        assert res["clipped_steps"] >= 3, f"rank {rank}: the clip rarely acted: {res}"
+        assert res["norm_rel_diff"] <= 1e-12 and res["param_diff"] <= 1e-12, f"rank {rank}: {res}"
+        assert res["local_norm_of_shards"] < res["global_norm"], f"rank {rank}: {res}"
+
+
+def test_clip_grad_norm_is_the_plain_one_without_shards_and_a_nan_stops_every_rank(
+    multi: RankPool, seed: int
+) -> None:
+    for rank, res in enumerate(run(multi, "clip_edge_cases", seed=seed)):
+        assert res["plain_when_unsharded"], f"rank {rank}: {res}"
+        # Only rank 0's shard holds the nan; the global norm is nan on every rank.
+        assert res["nonfinite"] is not None and "non-finite (nan)" in res["nonfinite"], res

@@ -336,12 +336,15 @@ def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_transformer_restart_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zero", ["0", "1"], ids=["ddp", "zero1"])
+def test_transformer_restart_resumes_exactly(tmp_path: Path, zero: str) -> None:
     """The GPT example with --amp and --grad-accum 2, checkpointing every 3 steps: killed right
     after the step-6 checkpoint, the restarted attempt ends at step 9 in the state an
     uninterrupted run reaches (model, AdamW, schedule and scaler resumed, the loader's
-    micro-batch position too)."""
+    micro-batch position too); under DDP and under --zero 1 (the ZeroRedundancyOptimizer's
+    state consolidated into the checkpoint and sharded again on resume)."""
     common = ["examples/train_transformer_ddp.py", "--steps", "9", "--log-every", "9"]
+    common += ["--zero", zero]
     common += ["--no-progress", "--d-model", "32", "--block", "16", "--batch-size", "8"]
     common += ["--warmup", "2", "--amp", "--grad-accum", "2", "--checkpoint-every", "3"]
     whole = tmp_path / "whole.npz"
@@ -363,3 +366,37 @@ def test_transformer_restart_resumes_exactly(tmp_path: Path) -> None:
     a, b = tl.load(ckpt), tl.load(whole)
     assert a["scheduler"] == b["scheduler"] and a["scaler"] == b["scaler"]
     assert a["loader"] == b["loader"] == {"epoch": 0, "batches_done": 18}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_transformer_zero_stages_reach_ddps_validation_loss() -> None:
+    """--zero 1 (ZeroRedundancyOptimizer), 2 and 3 (fully_shard) train the GPT to plain DDP's
+    validation loss (float32, to 1e-6 relative): same schedule, gradient accumulation over two
+    micro-batches, and gradients clipped to a norm they exceed (under fully_shard the global
+    norm over the shards: clipping each rank's shards by their own norm ends elsewhere)."""
+    tiny = ["examples/train_transformer_ddp.py", "--nproc", "2", "--steps", "6"]
+    tiny += ["--log-every", "6", "--no-progress", "--d-model", "32", "--block", "16"]
+    tiny += ["--warmup", "2", "--clip", "0.1", "--batch-size", "8", "--grad-accum", "2"]
+    ddp = _val_loss(_ok(_run(tiny)))
+    for stage in ("1", "2", "3"):
+        out = _ok(_run([*tiny, "--zero", stage]))
+        assert f"ZeRO stage {stage} (" in out, out
+        assert _val_loss(out) == pytest.approx(ddp, rel=1e-6), (stage, ddp, out)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--zero", "2", "--amp"], "--zero 2 cannot be combined with --amp: fully_shard has no"),
+        (
+            ["--zero", "3", "--checkpoint-every", "5"],
+            "--zero 3 cannot be combined with --checkpoint-every: save_checkpoint cannot yet",
+        ),
+        (["--zero", "1", "--compare-buckets"], "--compare-buckets compares DDP's bucket"),
+        (["--zero", "4"], "argument --zero: invalid choice: 4"),
+    ],
+)
+def test_transformer_zero_refuses_what_it_cannot_do(flags: list[str], expected: str) -> None:
+    proc = _run(["examples/train_transformer_ddp.py", "--nproc", "2", *flags], timeout=60)
+    assert proc.returncode == 2 and expected in proc.stderr, (proc.returncode, proc.stderr)
