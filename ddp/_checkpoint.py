@@ -31,7 +31,7 @@ from tensorlib import nn, optim
 from . import _rng
 from ._data import DataLoader
 from ._sampler import check_int
-from .fsdp import FSDPModule
+from .fsdp import FSDPModule, full_optim_state_dict, shard_full_optim_state_dict
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -165,7 +165,7 @@ def save_checkpoint(
     # Ranks draw differently (dropout, their own noise), so every rank's states are kept.
     mine = _rng.capture(bits)
     ranks = collectives.all_gather_object(mine) if world > 1 else [mine]
-    model_state = _gathered_state(where, module, optimizer)
+    model_state, optimizer_state = _gathered_state(where, module, optimizer)
     if collectives.get_rank() != _WRITER:
         error = collectives.broadcast_object(None, src=_WRITER)
         if error is not None:
@@ -175,7 +175,11 @@ def save_checkpoint(
         state = {
             "format": FORMAT,
             "model": model_state,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": (
+                optimizer_state
+                if optimizer_state is not None or optimizer is None
+                else optimizer.state_dict()
+            ),
             "scheduler": None if schedulers is None else [s.state_dict() for s in schedulers],
             "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step,
@@ -277,6 +281,16 @@ def load_checkpoint(
             f"{where}: {target} holds {len(state['scheduler'])} scheduler state(s), "
             f"scheduler= has {len(parts['scheduler'])}"
         )
+    opt = parts["optimizer"]
+    if opt is not None and not hasattr(opt, "consolidate_state_dict") and _is_fully_sharded(module):
+        # The file holds full-shape state (as an unsharded run's optimizer has it): keep
+        # this rank's rows, at this run's world size.
+        try:
+            state["optimizer"] = shard_full_optim_state_dict(state["optimizer"], module, opt)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(
+                f"{where}: {target}: the optimizer state does not match this optimizer: {exc}"
+            ) from exc
     rank_rng = _rank_rng(where, target, state) if rng else None
     _load_parts(where, target, state, parts, rank_rng, bits)
     module.load_state_dict(model_state, strict=True)
@@ -409,27 +423,26 @@ def _check_model_state(module: nn.Module, saved: dict[str, Any], target: Path) -
         )
 
 
-def _gathered_state(where: str, module: Any, optimizer: Any) -> Any:
-    """The model's state dict, with every rank taking part in what is sharded.
+def _gathered_state(where: str, module: Any, optimizer: Any) -> tuple[Any, Any]:
+    """The model's state dict, and a fully sharded model's optimizer's (else None), with every
+    rank taking part in what is sharded.
 
-    A ``fully_shard`` model's ``state_dict()`` all-gathers its full tensors, and a
-    ``ZeroRedundancyOptimizer`` sends its shards to the writer first: collectives, so every
-    rank runs them (rank 0 alone would wait for peers already in ``broadcast_object``).
+    A ``fully_shard`` model's ``state_dict()`` all-gathers its full tensors, a plain optimizer
+    over its shards gives its state all-gathered into full-shape arrays
+    (:func:`~ddp.fsdp.full_optim_state_dict`: the plain optimizer's format for the unsharded
+    model), and a ``ZeroRedundancyOptimizer`` sends its shards to the writer first:
+    collectives, so every rank runs them (rank 0 alone would wait for peers already in
+    ``broadcast_object``).
     """
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
-    if optimizer is not None and consolidate is None and _is_fully_sharded(module):
-        # Same answer on every rank, before any collective: nothing waits on anything.
-        raise NotImplementedError(
-            f"{where}: the optimizer of a fully_shard model holds this rank's shards of its "
-            "state only, and gathering them into one checkpoint is not supported yet (rank 0's "
-            "shards would be saved as if whole); save the model alone here, or each rank its "
-            "own: tl.save({'model': model.local_state_dict(), 'optimizer': "
-            "opt.state_dict()}, f'ckpt.rank{rank}.npz'), loaded at the same world size"
-        )
     model_state = module.state_dict()
+    if optimizer is None:
+        return model_state, None
+    if consolidate is None and _is_fully_sharded(module):
+        return model_state, full_optim_state_dict(module, optimizer)
     if consolidate is not None:
         consolidate(to=_WRITER)
-    return model_state
+    return model_state, None  # the writer takes the optimizer's own state_dict()
 
 
 def _is_fully_sharded(module: Any) -> bool:

@@ -2,5 +2,11 @@
 ``reshard_after_forward=False``)."""
 
 from ._api import FSDPModule, fully_shard
+from ._optim_state import full_optim_state_dict, shard_full_optim_state_dict
 
-__all__ = ["FSDPModule", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "full_optim_state_dict",
+    "fully_shard",
+    "shard_full_optim_state_dict",
+]
