@@ -56,9 +56,10 @@ step-0 checkpoint replaces whatever an older run left at the path.
 ``--zero 1|2|3`` trains the same model with its state sharded over the ranks (docs/ddp.md says
 when to pick which stage); each reaches DDP's validation loss. ZeRO-1 works with everything
 above. ZeRO-2/3 (``fully_shard``) clip with ``ddp.clip_grad_norm_`` (the global norm over
-every rank's gradient shards) and refuse, for now, ``--amp`` (no mixed precision under
-``fully_shard`` yet), ``--checkpoint-every`` (``save_checkpoint`` cannot yet save the sharded
-optimizer state), ``--compare-buckets`` (DDP's buckets) and ``--device cuda`` (CPU shards only).
+every rank's gradient shards), checkpoint and resume (the optimizer's shards gathered into
+the checkpoint, split again on resume), and refuse, for now, ``--amp`` (no mixed precision
+under ``fully_shard`` yet), ``--compare-buckets`` (DDP's buckets) and ``--device cuda`` (CPU
+shards only).
 """
 
 from __future__ import annotations
@@ -692,11 +693,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
     if a.zero >= 2:
         refused = [
             (a.amp, "--amp: fully_shard has no mixed precision (autocast + GradScaler) yet"),
-            (
-                a.checkpoint_every,
-                "--checkpoint-every: save_checkpoint cannot yet save the per-rank optimizer "
-                "state of a fully_shard model (use --zero 1, which checkpoints and resumes)",
-            ),
             (a.device != "cpu", f"--device {a.device}: fully_shard shards CPU parameters only"),
         ]
         for bad, why in refused:

@@ -336,17 +336,20 @@ def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("zero", ["0", "1"], ids=["ddp", "zero1"])
+@pytest.mark.parametrize("zero", ["0", "1", "3"], ids=["ddp", "zero1", "zero3"])
 def test_transformer_restart_resumes_exactly(tmp_path: Path, zero: str) -> None:
-    """The GPT example with --amp and --grad-accum 2, checkpointing every 3 steps: killed right
-    after the step-6 checkpoint, the restarted attempt ends at step 9 in the state an
-    uninterrupted run reaches (model, AdamW, schedule and scaler resumed, the loader's
-    micro-batch position too); under DDP and under --zero 1 (the ZeroRedundancyOptimizer's
-    state consolidated into the checkpoint and sharded again on resume)."""
+    """The GPT example with --amp (not under --zero 3: no mixed precision there yet) and
+    --grad-accum 2, checkpointing every 3 steps: killed right after the step-6 checkpoint,
+    the restarted attempt ends at step 9 in the state an uninterrupted run reaches (model,
+    AdamW, schedule and scaler resumed, the loader's micro-batch position too); under DDP,
+    --zero 1 (the ZeroRedundancyOptimizer's state consolidated into the checkpoint and
+    sharded again on resume) and --zero 3 (fully_shard: the full model and the optimizer's
+    shards gathered into the checkpoint)."""
     common = ["examples/train_transformer_ddp.py", "--steps", "9", "--log-every", "9"]
     common += ["--zero", zero]
     common += ["--no-progress", "--d-model", "32", "--block", "16", "--batch-size", "8"]
-    common += ["--warmup", "2", "--amp", "--grad-accum", "2", "--checkpoint-every", "3"]
+    common += ["--warmup", "2", "--grad-accum", "2", "--checkpoint-every", "3"]
+    common += [] if zero == "3" else ["--amp"]
     whole = tmp_path / "whole.npz"
     _ok(_run([*common, "--checkpoint", str(whole)]))
     ckpt = tmp_path / "gpt.npz"
@@ -389,10 +392,6 @@ def test_transformer_zero_stages_reach_ddps_validation_loss() -> None:
     ("flags", "expected"),
     [
         (["--zero", "2", "--amp"], "--zero 2 cannot be combined with --amp: fully_shard has no"),
-        (
-            ["--zero", "3", "--checkpoint-every", "5"],
-            "--zero 3 cannot be combined with --checkpoint-every: save_checkpoint cannot yet",
-        ),
         (["--zero", "1", "--compare-buckets"], "--compare-buckets compares DDP's bucket"),
         (["--zero", "4"], "argument --zero: invalid choice: 4"),
     ],
