@@ -270,17 +270,7 @@ def load_checkpoint(
     state = _read(where, target, map_location)
     model_state = state["model"]
     _check_model_state(module, model_state, target)
-    for name, obj in parts.items():
-        if obj is not None and state.get(name) is None:
-            raise ValueError(
-                f"{where}: {target} holds no {name} state (it was saved without one); call "
-                f"load_checkpoint without {name}="
-            )
-    if parts["scheduler"] is not None and len(parts["scheduler"]) != len(state["scheduler"]):
-        raise ValueError(
-            f"{where}: {target} holds {len(state['scheduler'])} scheduler state(s), "
-            f"scheduler= has {len(parts['scheduler'])}"
-        )
+    _check_parts_present(where, target, state, parts)
     opt = parts["optimizer"]
     if opt is not None and not hasattr(opt, "consolidate_state_dict") and _is_fully_sharded(module):
         # The file holds full-shape state (as an unsharded run's optimizer has it): keep
@@ -300,6 +290,23 @@ def load_checkpoint(
         "extra": state.get("extra"),
         "rng_restored": rank_rng is not None,
     }
+
+
+def _check_parts_present(
+    where: str, target: Path, state: dict[str, Any], parts: dict[str, Any]
+) -> None:
+    """Every part asked for is in the file (and as many schedulers as given)."""
+    for name, obj in parts.items():
+        if obj is not None and state.get(name) is None:
+            raise ValueError(
+                f"{where}: {target} holds no {name} state (it was saved without one); call "
+                f"load_checkpoint without {name}="
+            )
+    if parts["scheduler"] is not None and len(parts["scheduler"]) != len(state["scheduler"]):
+        raise ValueError(
+            f"{where}: {target} holds {len(state['scheduler'])} scheduler state(s), "
+            f"scheduler= has {len(parts['scheduler'])}"
+        )
 
 
 def _read(where: str, target: Path, map_location: str | tl.Device | None) -> dict[str, Any]:
