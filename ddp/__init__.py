@@ -21,7 +21,7 @@ from ._memory import memory_stats
 from ._reducer import StepStats
 from ._sampler import DistributedSampler
 from ._sync import sync_gradients, sync_parameters
-from .fsdp import fully_shard
+from .fsdp import MixedPrecisionPolicy, fully_shard
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "DistributedSampler",
     "GradBucket",
     "Join",
+    "MixedPrecisionPolicy",
     "StepStats",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",

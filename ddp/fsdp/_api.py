@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from collectives import NonMemberGroup, ProcessGroup
 from tensorlib import Tensor
 from tensorlib.nn import Module, Parameter
 
+from ._mp import MixedPrecisionPolicy
 from ._param import ShardedParam
 from ._unit import Unit, shard_of
 
@@ -28,8 +31,43 @@ class FSDPModule:
     ``state_dict()`` gives full tensors, gathered over the group (a collective: every rank
     calls it); ``local_state_dict()`` gives this rank's shards (padded rows included) as the
     module and the optimizer hold them; ``load_state_dict()`` takes full tensors and keeps
-    this rank's rows.
+    this rank's rows. ``set_requires_gradient_sync(False)`` (or ``with model.no_sync():``)
+    accumulates full gradients locally over several backwards, for gradient accumulation.
     """
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduce-scatters gradients (FSDP2's name).
+
+        With False, each unit adds its full (unsharded) gradient, in the reduce dtype, to a
+        buffer it keeps (one full gradient per unit: the memory a replica's gradients take)
+        instead of reduce-scattering it; the next backward with True reduce-scatters the sum,
+        so the shards' ``.grad`` get the average over the group of everything accumulated:
+        what DDP's ``no_sync`` gives, with one reduce-scatter per unit instead of one per
+        backward.
+
+        Args:
+            requires_gradient_sync: reduce-scatter in backward (True, the default) or
+                accumulate locally (False).
+            recurse: also set it for every ``fully_shard`` module under this one.
+        """
+        for unit in _units(self, recurse):  # type: ignore[arg-type]
+            unit.requires_gradient_sync = bool(requires_gradient_sync)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (FSDP1's and DDP's ``no_sync``): the
+        first backward after it reduce-scatters everything accumulated."""
+        units = _units(self, True)  # type: ignore[arg-type]
+        before = [u.requires_gradient_sync for u in units]
+        for u in units:
+            u.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for u, b in zip(units, before, strict=True):
+                u.requires_gradient_sync = b
 
     def state_dict(self) -> OrderedDict[str, Tensor]:
         """Parameters (full, all-gathered from the shards) and buffers by qualified name."""
@@ -91,6 +129,14 @@ class FSDPModule:
             object.__setattr__(self, "_fsdp_loading", False)
 
 
+def _units(module: Module, recurse: bool) -> list[Unit]:
+    if not recurse:
+        return [module.__dict__["_fsdp_unit"]]
+    return [
+        m.__dict__["_fsdp_unit"] for _, m in module.named_modules() if "_fsdp_unit" in m.__dict__
+    ]
+
+
 def _shard_places(module: Module) -> dict[str, tuple[Unit, ShardedParam]]:
     """Qualified name (as ``state_dict`` names it) -> unit and layout, for every shard."""
     out: dict[str, tuple[Unit, ShardedParam]] = {}
@@ -106,7 +152,11 @@ _CLASSES: dict[type, type] = {}
 
 
 def fully_shard(
-    module: Module, group: ProcessGroup | None = None, reshard_after_forward: bool = True
+    module: Module,
+    group: ProcessGroup | None = None,
+    reshard_after_forward: bool = True,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Module:
     """Shard ``module``'s parameters over ``group`` (PyTorch FSDP2's ``fully_shard``).
 
@@ -125,6 +175,10 @@ def fully_shard(
     (in backward too, under ZeRO-3). The group's first rank's values are broadcast first,
     as DDP does.
 
+    With ``mp_policy=MixedPrecisionPolicy(param_dtype=tl.float16, reduce_dtype=tl.float32)``
+    the shards (the optimizer's master weights) stay float32, the all-gather sends float16
+    and forward and backward compute in float16, and gradients are averaged in float32.
+
     ``module.state_dict()`` then gives full tensors (all-gathered: every rank must call it),
     ``module.local_state_dict()`` this rank's shards, and ``module.load_state_dict()`` takes
     full tensors.
@@ -134,6 +188,7 @@ def fully_shard(
         group: the group to shard over (default: the default group).
         reshard_after_forward: free the gathered parameters after forward (True) or after
             backward (False).
+        mp_policy: the dtypes to gather, reduce and return in (default: none changed).
 
     Returns:
         ``module``, sharded.
@@ -153,11 +208,16 @@ def fully_shard(
         raise ValueError("fully_shard: this rank is not a member of the group")
     if "_fsdp_unit" in module.__dict__:
         raise ValueError(f"fully_shard: this {type(module).__name__} is already sharded")
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     places = _unmanaged(module)
     _check_params(module, places)
-    _check_same(group, module, places, bool(reshard_after_forward))
+    options = {"reshard_after_forward": str(bool(reshard_after_forward))}
+    options["mp_policy"] = mp_policy.describe()
+    _check_same(group, module, places, options)
     _broadcast(group, [p for _, _, p in places])
-    unit = Unit(module, group, places, bool(reshard_after_forward))
+    unit = Unit(module, group, places, bool(reshard_after_forward), mp_policy)
     object.__setattr__(module, "_fsdp_unit", unit)
     # The units under this one (and it) share one schedule: this module's forward spans them.
     for _, mod in module.named_modules():
@@ -214,13 +274,13 @@ def _check_same(
     group: ProcessGroup,
     module: Module,
     places: list[tuple[str, list[tuple[Module, str]], Parameter]],
-    reshard: bool,
+    options: dict[str, str],
 ) -> None:
     """Every rank raises, naming the differences, when the ranks' units differ."""
     if group.size == 1:
         return
     desc = [[n, list(p.shape), str(p.dtype), bool(p.requires_grad)] for n, _, p in places]
-    desc.append(["reshard_after_forward", [], str(reshard), False])
+    desc += [[k, [], v, False] for k, v in options.items()]
     text = json.dumps([type(module).__name__, desc])
     digests = group.all_gather_object([zlib.crc32(text.encode()), len(desc)])
     if all(d == digests[0] for d in digests):

@@ -12,6 +12,7 @@ from collectives import ProcessGroup, ReduceOp, Work
 from tensorlib import Tensor
 from tensorlib.nn import Module, Parameter
 
+from ._mp import MixedPrecisionPolicy, cast_floating
 from ._param import FullBuffer, GatherParams, PreBackward, ShardedParam, shard_rows
 
 __all__ = ["Unit", "shard_of"]
@@ -36,6 +37,7 @@ class Unit:
             rank (the group's first rank's values).
         reshard_after_forward: free the full parameters after forward (ZeRO-3) rather than
             after backward (ZeRO-2).
+        mp_policy: the dtypes to gather, reduce and return in (the shards keep theirs).
     """
 
     def __init__(
@@ -44,10 +46,16 @@ class Unit:
         group: ProcessGroup,
         places: list[tuple[str, list[tuple[Module, str]], Parameter]],
         reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module = module
         self.group = group
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        # False (set_requires_gradient_sync, no_sync): backward adds the full gradient into
+        # ``accumulated`` instead of reduce-scattering it; the next synced backward sends the sum.
+        self.requires_gradient_sync = True
+        self.accumulated: Any = None
         self.label = type(module).__name__
         world, rank = group.size, group.rank
         self.params: list[ShardedParam] = []
@@ -71,8 +79,9 @@ class Unit:
                     object.__setattr__(mod, "_fsdp_shards", {})
                 mod.__dict__["_fsdp_shards"][attr] = (self, sp)
         self.shard_numel = shard_off
-        self.dtype = dtype
-        self.buffer = FullBuffer(full_off, dtype)
+        self.dtype = np.dtype(dtype)  # the shards' (master weights') dtype
+        self.gather_dtype, self.reduce_dtype = mp_policy.dtypes(dtype)
+        self.buffer = FullBuffer(full_off, self.gather_dtype)
         # Set by the outermost fully_shard over this unit (see Schedule).
         self.schedule = Schedule(self)
         self._prefetched: Work | None = None
@@ -83,7 +92,8 @@ class Unit:
 
     # ------------------------------------------------------------------ data movement
     def _all_gather(self, async_op: bool) -> Any:
-        stage = np.empty(self.shard_numel, dtype=self.dtype)
+        # Copying into the send buffer casts to the gather dtype (the shards keep theirs).
+        stage = np.empty(self.shard_numel, dtype=self.gather_dtype)
         for sp in self.params:
             stage[sp.shard_off : sp.shard_off + sp.shard_numel] = sp.shard.data.reshape(-1)
         return self.group.all_gather(stage, async_op=async_op)  # (N, S), rank-major
@@ -128,9 +138,23 @@ class Unit:
         below; a callback queued for the end of this ``backward()`` waits for it and adds
         the rows to the shards' ``.grad`` (that callback, not backward's accumulation, sets
         them, so shards' post-accumulate-grad hooks do not fire).
+
+        Without gradient sync the gradient is added (in the reduce dtype) to
+        :attr:`accumulated` instead, and the next synced backward reduce-scatters the sum.
         """
+        if not self.requires_gradient_sync:
+            if self.accumulated is None:
+                self.accumulated = grad.astype(self.reduce_dtype, copy=True)
+            else:
+                self.accumulated += grad
+            self.buffer.free()
+            return
+        if self.accumulated is not None:
+            acc, self.accumulated = self.accumulated, None
+            acc += grad
+            grad = acc
         world = self.group.size
-        stage = np.empty((world, self.shard_numel), dtype=self.dtype)
+        stage = np.empty((world, self.shard_numel), dtype=self.reduce_dtype)
         for sp in self.params:
             n = sp.shard_numel
             stage[:, sp.shard_off : sp.shard_off + n] = grad[
@@ -150,16 +174,23 @@ class Unit:
             if not shard.requires_grad:
                 continue
             rows = mine[sp.shard_off : sp.shard_off + sp.shard_numel].reshape(shard.shape)
-            if shard.grad is None:
-                shard.grad = tl.from_array(rows.copy(), shard.device)
+            if shard.grad is None:  # in the shard's dtype (a copy: ``mine`` is the receive buffer)
+                shard.grad = tl.from_array(rows.astype(shard.dtype, copy=True), shard.device)
             else:
                 shard.grad.data[...] += rows
 
     # ------------------------------------------------------------------ forward hooks
-    def _pre_forward(self, module: Module, args: tuple[Any, ...]) -> None:
+    def _pre_forward(self, module: Module, args: tuple[Any, ...]) -> Any:
         self.schedule.started(self)
-        if not self.params:
-            return
+        if self.params:
+            self._unshard()
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            return cast_floating(args, mp.param_dtype)
+        return None
+
+    def _unshard(self) -> None:
+        """Gather the full parameters and put them where the shards are registered."""
         # The full parameters are views of one recorded node, so backward through any of them
         # reaches GatherParams.backward once, with the whole buffer's gradient.
         flat = GatherParams.apply(*(sp.shard for sp in self.params), unit=self)
@@ -173,8 +204,10 @@ class Unit:
 
     def _post_forward(self, module: Module, args: tuple[Any, ...], out: Any) -> Any:
         self.schedule.finished(self)
+        if self.mp_policy.output_dtype is not None:
+            out = cast_floating(out, self.mp_policy.output_dtype)
         if not self.params:
-            return None
+            return out
         for sp in self.params:
             for mod, attr in sp.places:
                 mod._parameters[attr] = sp.shard
@@ -182,7 +215,7 @@ class Unit:
         # Without grad no backward will free it: ZeRO-2 frees after such a forward too.
         if self.reshard_after_forward or not grad:
             self.buffer.free()
-        return _wrap_outputs(out, self) if grad else None
+        return _wrap_outputs(out, self) if grad else out
 
 
 class Schedule:

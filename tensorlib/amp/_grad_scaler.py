@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
@@ -30,7 +30,32 @@ from .._device import Device
 from .._dtype import float16
 from .._tensor import Tensor
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "register_found_inf_reducer"]
+
+# (the optimizer's parameters) -> None, or a function that turns this process's inf/NaN finding
+# into the one every process holding other shards of those parameters agrees on.
+FoundInfReducer = Callable[[list[Tensor]], Callable[[bool], bool] | None]
+_FOUND_INF_REDUCERS: list[FoundInfReducer] = []
+
+
+def register_found_inf_reducer(reducer: FoundInfReducer) -> None:
+    """Let a layer above tensorlib make the skip decision agree across processes.
+
+    When an optimizer's parameters are shards of tensors split over several processes
+    (``ddp.fully_shard``), an inf/NaN lands in one process's shard only, and a step skipped
+    there but taken elsewhere would make the replicas diverge. A reducer registered here is
+    asked, at each :meth:`GradScaler.unscale_`, about the optimizer's parameters; where it
+    returns a function, the scaler passes its local finding through it (a collective: every
+    process of the group calls it, in :meth:`GradScaler.step` or :meth:`GradScaler.update`)
+    and uses the result.
+
+    Args:
+        reducer: ``reducer(params) -> None | (found: bool) -> bool``.
+    """
+    if not callable(reducer):
+        raise TypeError(f"register_found_inf_reducer takes a callable, got {reducer!r}")
+    if reducer not in _FOUND_INF_REDUCERS:
+        _FOUND_INF_REDUCERS.append(reducer)
 
 
 class _OptState(Enum):
@@ -41,8 +66,9 @@ class _OptState(Enum):
 
 def _fresh_state() -> dict[str, Any]:
     # found_inf_per_device: device -> 0-d bool array (True: some gradient was inf/NaN);
-    # found_inf: the same as one Python bool, once step() or update() synced it.
-    return {"stage": _OptState.READY, "found_inf_per_device": {}, "found_inf": None}
+    # found_inf: the same as one Python bool, once step() or update() synced it;
+    # agree: the registered reducers' functions for this optimizer's parameters.
+    return {"stage": _OptState.READY, "found_inf_per_device": {}, "found_inf": None, "agree": []}
 
 
 def _f32(x: float) -> float:
@@ -166,6 +192,10 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         # Reciprocal in float64, rounded to float32: torch's inverse scale, bit for bit.
         state["found_inf_per_device"] = _unscale_grads(optimizer, _f32(1.0 / scale))
+        if _FOUND_INF_REDUCERS:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            agree = (r(params) for r in _FOUND_INF_REDUCERS)
+            state["agree"] = [a for a in agree if a is not None]
         state["stage"] = _OptState.UNSCALED
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -346,7 +376,10 @@ def _unscale_grads(optimizer: Any, inv_scale: float) -> dict[Device, Any]:
 def _found_inf(state: dict[str, Any]) -> bool:
     """Whether an optimizer's unscale found an inf/NaN gradient (one host sync per device)."""
     if state["found_inf"] is None:
-        state["found_inf"] = any(bool(f) for f in state["found_inf_per_device"].values())
+        found = any(bool(f) for f in state["found_inf_per_device"].values())
+        for agree in state["agree"]:
+            found = bool(agree(found))
+        state["found_inf"] = found
     return bool(state["found_inf"])
 
 

@@ -1,0 +1,67 @@
+"""``fully_shard``'s mixed-precision policy, gradient accumulation without sync, and the
+``GradScaler`` over shards: what a user of FSDP2's ``MixedPrecisionPolicy``,
+``set_requires_gradient_sync`` and ``torch.amp.GradScaler`` relies on. Bodies in
+tests/ddp/fsdp_mp_bodies.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.collectives.harness import RankPool
+from tests.collectives.threads_pool import ThreadsPool
+from tests.ddp.conftest import Pools
+
+pytestmark = pytest.mark.timeout(180)
+
+BODIES = "tests.ddp.fsdp_mp_bodies"
+
+
+def run(pool: RankPool | ThreadsPool, body: str, **kwargs: Any) -> list[Any]:
+    return pool.run(f"{BODIES}:{body}", kwargs, deadline=120.0)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_float16_gather_float32_reduce_equals_the_hand_made_mixed_precision_step(
+    world: RankPool, reshard: bool
+) -> None:
+    # The reference computes each rank's gradient with a float16 copy of the float32 master
+    # weights, casts it to float32, averages over the ranks and steps the master: the same
+    # arithmetic in the same order, so the sharded run equals it exactly.
+    for rank, res in enumerate(run(world, "mixed_precision", seed=5, steps=8, reshard=reshard)):
+        where = f"rank {rank} on {world.label}"
+        assert res["moved"] > 1e-2, f"{where}: training barely moved the parameters"
+        assert res["rel"] == 0.0, f"{where}: {res['rel']} from the reference"
+        assert res["gathered"] == "float16" and res["input"] == "float16", (where, res)
+        assert res["send_dtypes"] == ["float16"], f"{where}: all-gathers {res['send_dtypes']}"
+        assert res["shard_dtypes"] == ["float32"] == res["grad_dtypes"], (where, res)
+        assert set(res["dtypes"].values()) == {"float32"}, f"{where}: state_dict {res}"
+
+
+@pytest.mark.parametrize("api", ["ctx", "set"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_accumulating_without_sync_equals_ddp_no_sync(
+    pools: Pools, reshard: bool, api: str
+) -> None:
+    pool = pools("cpu", 3)
+    for rank, res in enumerate(
+        run(pool, "no_sync", seed=2, steps=4, reshard=reshard, accum=3, api=api)
+    ):
+        where = f"rank {rank} on {pool.label}"
+        assert res["moved"] > 1e-2, f"{where}: training barely moved the parameters"
+        assert res["diff"] <= 1e-12, f"{where}: {res['diff']} from DDP's no_sync"
+        assert res["pending"], f"{where}: a shard's .grad changed inside no_sync"
+        assert all(res["left"]), f"{where}: an accumulated gradient was left behind"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "threads"])
+def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(
+    pools: Pools, backend: str
+) -> None:
+    pool = pools("cpu", 2) if backend == "cpu" else ThreadsPool(2, timeout=30.0, tag="mp")
+    for rank, res in enumerate(run(pool, "scaler_skips_together", seed=4)):
+        moved = [s["moved"] for s in res["steps"]]
+        scales = [s["scale"] for s in res["steps"]]
+        assert moved == [True, False, True], f"rank {rank}: stepped {moved}"
+        assert scales == [1024.0, 512.0, 512.0], f"rank {rank}: scales {scales}"
