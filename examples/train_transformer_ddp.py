@@ -57,9 +57,11 @@ step-0 checkpoint replaces whatever an older run left at the path.
 when to pick which stage); each reaches DDP's validation loss. ZeRO-1 works with everything
 above. ZeRO-2/3 (``fully_shard``) clip with ``ddp.clip_grad_norm_`` (the global norm over
 every rank's gradient shards), checkpoint and resume (the optimizer's shards gathered into
-the checkpoint, split again on resume), and refuse, for now, ``--amp`` (no mixed precision
-under ``fully_shard`` yet), ``--compare-buckets`` (DDP's buckets) and ``--device cuda`` (CPU
-shards only).
+the checkpoint, split again on resume), accumulate ``--grad-accum`` micro-batches without
+sync (one reduce-scatter per step), and with ``--amp`` gather the parameters in float16 and
+reduce gradients in float32 over float32 master shards (FSDP2's ``MixedPrecisionPolicy``),
+under autocast and a GradScaler that skips on every rank alike; they refuse
+``--compare-buckets`` (DDP's buckets) and ``--device cuda`` (CPU shards only).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from ddp import (
     DataLoader,
     DistributedDataParallel,
     DistributedSampler,
+    MixedPrecisionPolicy,
     ZeroRedundancyOptimizer,
     clip_grad_norm_,
     fully_shard,
@@ -298,9 +301,12 @@ def build(cfg: Config, vocab: int, device: str, first_mb: float, cap_mb: float) 
     tl.manual_seed(cfg.seed)
     model = CharGPT(vocab, cfg.d_model, cfg.n_layer, cfg.n_head, cfg.block, device)
     if cfg.zero >= 2:
+        # --amp: float16 all-gathers and compute, float32 gradient reduction and master shards.
+        mp = MixedPrecisionPolicy(param_dtype=tl.float16, reduce_dtype=tl.float32)
+        policy = mp if cfg.amp else None
         for blk in model.blocks:
-            fully_shard(blk, reshard_after_forward=cfg.zero == 3)
-        return fully_shard(model, reshard_after_forward=cfg.zero == 3)
+            fully_shard(blk, reshard_after_forward=cfg.zero == 3, mp_policy=policy)
+        return fully_shard(model, reshard_after_forward=cfg.zero == 3, mp_policy=policy)
     return DistributedDataParallel(model, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
 
 
@@ -350,17 +356,16 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     """One optimizer step over the micro-batches; the loss and the times DDP reports.
 
     Returns [loss, backward s, wait s, step s, when backward ended]: the backward times are the
-    last micro-batch's, the only one that communicates under DDP (the others run under
-    ``no_sync``; a ``fully_shard`` model reduce-scatters every micro-batch's gradients, which
-    add up in the shards' ``.grad``, and reports no wait).
+    last micro-batch's, the only one that communicates (the others run under ``no_sync``:
+    DDP's, or a ``fully_shard`` model's, which accumulates full gradients in each unit and
+    reduce-scatters their sum in the last backward; it reports no wait).
     """
-    ddp_model = isinstance(tr.model, DistributedDataParallel)
     t0 = time.perf_counter()
     tr.opt.zero_grad()
     total = 0.0
     for i, (xb, yb) in enumerate(micro):
         last = i == len(micro) - 1
-        with contextlib.nullcontext() if last or not ddp_model else tr.model.no_sync():
+        with contextlib.nullcontext() if last else tr.model.no_sync():
             with tl.autocast(dtype=tl.float16, enabled=cfg.amp):
                 loss = lm_loss(tr.model(xb), yb) * (1.0 / len(micro))
             t1 = time.perf_counter()
@@ -378,7 +383,7 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     tr.skipped += tr.scaler.get_scale() < scale
     tr.sched.step()
     t3 = time.perf_counter()
-    wait = tr.model.stats.wait_s if ddp_model else 0.0
+    wait = tr.model.stats.wait_s if isinstance(tr.model, DistributedDataParallel) else 0.0
     return [total, t2 - t1, wait, t3 - t0, t2 - wait]
 
 
@@ -690,14 +695,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         p.error("--checkpoint-every saves one model; --compare-buckets trains three")
     if a.zero and a.compare_buckets:
         p.error("--compare-buckets compares DDP's bucket layouts; leave out --zero")
-    if a.zero >= 2:
-        refused = [
-            (a.amp, "--amp: fully_shard has no mixed precision (autocast + GradScaler) yet"),
-            (a.device != "cpu", f"--device {a.device}: fully_shard shards CPU parameters only"),
-        ]
-        for bad, why in refused:
-            if bad:
-                p.error(f"--zero {a.zero} cannot be combined with {why}")
+    if a.zero >= 2 and a.device != "cpu":
+        p.error(f"--zero {a.zero} with --device {a.device}: fully_shard shards CPU parameters only")
     cfg = replace(
         d,
         steps=a.steps,
