@@ -358,7 +358,8 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     Returns [loss, backward s, wait s, step s, when backward ended]: the backward times are the
     last micro-batch's, the only one that communicates (the others run under ``no_sync``:
     DDP's, or a ``fully_shard`` model's, which accumulates full gradients in each unit and
-    reduce-scatters their sum in the last backward; it reports no wait).
+    reduce-scatters their sum in the last backward; its wait is what its ``stats`` say the
+    last micro-batch's forward and backward waited for all-gathers and reduce-scatters).
     """
     t0 = time.perf_counter()
     tr.opt.zero_grad()
@@ -383,7 +384,9 @@ def train_step(tr: Trainer, micro: list[tuple[Tensor, Tensor]], cfg: Config) -> 
     tr.skipped += tr.scaler.get_scale() < scale
     tr.sched.step()
     t3 = time.perf_counter()
-    wait = tr.model.stats.wait_s if isinstance(tr.model, DistributedDataParallel) else 0.0
+    # DDP: the end of backward's wait for all-reduces; fully_shard: the step's waits for
+    # all-gathers and reduce-scatters that prefetching and overlap did not hide.
+    wait = tr.model.stats.wait_s
     return [total, t2 - t1, wait, t3 - t0, t2 - wait]
 
 
@@ -521,7 +524,8 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
                     f"step {step:4d}  train loss {loss_sums[0] / since:.4f}  "
                     f"lr {trainers[0].sched.get_last_lr()[0]:.2e}  "
                     f"{_recent_ms(rec[0]['step'], since):.1f} ms/step"
-                    + (f"  wait after backward {waits} ms" if cfg.zero < 2 else ""),
+                    + (f"  wait after backward {waits} ms" if cfg.zero < 2 else "")
+                    + (f"  wait for gathers/reductions {waits} ms" if cfg.zero >= 2 else ""),
                     flush=True,
                 )
             loss_sums[:] = 0.0
@@ -544,7 +548,7 @@ def train(local_rank: int, cfg: Config) -> dict[str, Any]:
         prompt = vocab.encode("The ")
         sample = vocab.decode(generate(sampler_model, prompt, 160, device, cfg.seed))
         print(f"sample: {'The ' + sample!r}", flush=True)
-    # The bucket table is DDP's (fully_shard has no buckets, nor stats.wait_s).
+    # The bucket table is DDP's (fully_shard has no buckets).
     summary["layouts"] = report_layouts(layouts, models, rec, master) if cfg.zero < 2 else []
     if cfg.compare_buckets:
         same = all(

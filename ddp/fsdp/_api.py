@@ -20,6 +20,7 @@ from tensorlib.nn import Module, Parameter
 
 from ._mp import MixedPrecisionPolicy
 from ._param import ShardedParam
+from ._stats import ShardStats
 from ._unit import Unit, shard_of
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -34,6 +35,12 @@ class FSDPModule:
     this rank's rows. ``set_requires_gradient_sync(False)`` (or ``with model.no_sync():``)
     accumulates full gradients locally over several backwards, for gradient accumulation.
     """
+
+    @property
+    def stats(self) -> ShardStats:
+        """What the last step of the outermost sharded module over this one communicated and
+        waited for (all-gathers, prefetches, reduce-scatters, wait seconds, bytes sent)."""
+        return self.__dict__["_fsdp_unit"].schedule.stats
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True

@@ -3,6 +3,7 @@ and free them."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from tensorlib.nn import Module, Parameter
 
 from ._mp import MixedPrecisionPolicy, cast_floating
 from ._param import FullBuffer, GatherParams, PreBackward, ShardedParam, shard_rows
+from ._stats import ShardStats
 
 __all__ = ["Unit", "shard_of"]
 
@@ -96,6 +98,7 @@ class Unit:
         stage = np.empty(self.shard_numel, dtype=self.gather_dtype)
         for sp in self.params:
             stage[sp.shard_off : sp.shard_off + sp.shard_numel] = sp.shard.data.reshape(-1)
+        self.schedule.stats.bytes_sent += (self.group.size - 1) * stage.nbytes
         return self.group.all_gather(stage, async_op=async_op)  # (N, S), rank-major
 
     def prefetch(self) -> None:
@@ -117,11 +120,16 @@ class Unit:
         prefetched all-gather; then start the next unit's, in the schedule's order."""
         world = self.group.size
         work, self._prefetched = self._prefetched, None
+        stats = self.schedule.stats
+        stats.all_gathers += 1
+        t0 = time.perf_counter()
         if work is not None:
             self.prefetch_hits += 1
+            stats.prefetched += 1
             ranks = work.wait()
         else:
             ranks = self._all_gather(async_op=False)
+        stats.gather_wait_s += time.perf_counter() - t0
         full = self.buffer.array
         for sp in self.params:
             n = sp.shard_numel
@@ -161,6 +169,8 @@ class Unit:
                 sp.full_off : sp.full_off + n * world
             ].reshape(world, n)
         work = self.group.reduce_scatter(stage, ReduceOp.AVG, async_op=True)
+        self.schedule.stats.reduce_scatters += 1
+        self.schedule.stats.bytes_sent += (world - 1) * stage[0].nbytes
         self.buffer.free()
         # One callback per reduce-scatter: a backward that raised before its callbacks ran
         # leaves nothing behind that the next backward would add.
@@ -168,7 +178,9 @@ class Unit:
 
     def _land(self, work: Work) -> None:
         """Wait for a reduce-scatter and add its rows to the shards' gradients."""
+        t0 = time.perf_counter()
         mine = work.wait().reshape(-1)
+        self.schedule.stats.reduce_wait_s += time.perf_counter() - t0
         for sp in self.params:
             shard = sp.shard
             if not shard.requires_grad:
@@ -233,10 +245,12 @@ class Schedule:
         self._started: list[Unit] = []
         self._finished: list[Unit] = []
         self._recording = False  # inside the root's forward (a unit called alone records nothing)
+        self.stats = ShardStats()
 
     def started(self, unit: Unit) -> None:
         if unit is self.root:
             self._started, self._finished, self._recording = [], [], True
+            self.stats = ShardStats()
         if self._recording:
             self._started.append(unit)
 

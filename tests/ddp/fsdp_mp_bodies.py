@@ -153,3 +153,32 @@ def scaler_skips_together(seed: int) -> dict[str, Any]:
         )
         steps.append({"moved": moved, "scale": scaler.get_scale()})
     return {"steps": steps}
+
+
+def stats(seed: int, steps: int) -> dict[str, Any]:
+    """``model.stats`` after each of a few steps, under ZeRO-3, ZeRO-2 and ZeRO-3 with
+    float16 gathers, and the elements of this rank's flat shards (for the byte count)."""
+    rank = C.get_rank()
+    out: dict[str, Any] = {}
+    for name, reshard, mp, cast in [
+        ("zero3", True, None, False),
+        ("zero2", False, None, False),
+        ("zero3-fp16", True, MP, True),
+    ]:
+        model = _shard(Model(seed).to(dtype=tl.float32) if cast else Model(seed), reshard, mp)
+        opt = tl.optim.AdamW(model.parameters(), lr=0.01)
+        seen = []
+        for step in range(steps):
+            opt.zero_grad()
+            _loss(model, *_batch(seed, step, rank)).backward()
+            opt.step()
+            s = model.stats
+            seen.append([s.all_gathers, s.prefetched, s.reduce_scatters, s.bytes_sent])
+            if not (s.wait_s >= s.gather_wait_s >= 0.0 and s.reduce_wait_s >= 0.0):
+                raise AssertionError(f"wait times {s}")
+        out[name] = {
+            "seen": seen,
+            "elements": sum(m._fsdp_unit.shard_numel for m in _units(model)),
+            "units": len(_units(model)),
+        }
+    return out

@@ -65,3 +65,40 @@ def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(
         scales = [s["scale"] for s in res["steps"]]
         assert moved == [True, False, True], f"rank {rank}: stepped {moved}"
         assert scales == [1024.0, 512.0, 512.0], f"rank {rank}: scales {scales}"
+
+
+def test_stats_count_the_collectives_the_prefetches_and_the_bytes(multi: RankPool) -> None:
+    # Bytes as a ring sends them: (N - 1) shard-sized chunks per all-gather and per
+    # reduce-scatter. ZeRO-2 sends 2 (N - 1) S elements a step, what DDP's ring all-reduce of
+    # the N S (padded) elements sends; ZeRO-3 gathers again in backward: 1.5x; float16
+    # gathers halve the all-gathers' part.
+    n = multi.world_size
+    for rank, res in enumerate(run(multi, "stats", seed=3, steps=3)):
+        where = f"rank {rank} on {multi.label}"
+        units = res["zero3"]["units"]
+        assert units == 3, where
+        for name, gathers in (("zero3", 2 * units), ("zero2", units), ("zero3-fp16", 2 * units)):
+            s = res[name]["elements"]
+            first, *later = res[name]["seen"]
+            # Each unit gathers its shard gathers / units times and reduce-scatters it once.
+            if name == "zero3-fp16":
+                expected = (n - 1) * s * (2 * gathers // units + 4)
+            else:
+                expected = (n - 1) * s * 8 * (gathers // units + 1)
+            # The first forward knows no order yet: only backward prefetches (ZeRO-3).
+            assert first[:3] == [gathers, gathers // 2 - 1 if name != "zero2" else 0, units], (
+                where,
+                name,
+                first,
+            )
+            for got in later:
+                # Every gather but the first of forward (and of backward) was prefetched.
+                assert got == [gathers, gathers - gathers // units, units, expected], (
+                    where,
+                    name,
+                    got,
+                )
+            assert first[3] == expected, (where, name, first)
+        zero2 = res["zero2"]["seen"][-1][3]
+        assert zero2 == 2 * (n - 1) * res["zero2"]["elements"] * 8, where
+        assert res["zero3"]["seen"][-1][3] * 2 == zero2 * 3, where
