@@ -12,7 +12,7 @@ from ._autograd import (
     no_grad,
     set_grad_enabled,
 )
-from ._backward import queue_callback
+from ._backward import current_backward_id, queue_callback
 from ._tensor import Tensor
 from ._autocast import autocast
 from ._api import (
@@ -98,6 +98,7 @@ __all__ = [
     "cuda_device_count",
     "cuda_is_available",
     "cuda_unavailable_reason",
+    "current_backward_id",
     "default_generator",
     "device",
     "device_of",

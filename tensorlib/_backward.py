@@ -16,6 +16,7 @@ Hooks used by DistributedDataParallel:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,27 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._tensor import Tensor
 
-__all__ = ["RemovableHandle", "queue_callback", "run_backward", "take_grad_buffer"]
+__all__ = [
+    "RemovableHandle",
+    "current_backward_id",
+    "queue_callback",
+    "run_backward",
+    "take_grad_buffer",
+]
+
+# Numbers the backward() calls of this process (see current_backward_id).
+_backward_ids = itertools.count(1)
+
+
+def current_backward_id() -> int | None:
+    """A number for the ``backward()`` call now running on this thread (the innermost, when
+    a hook runs another), unique in the process; None outside ``backward()``.
+
+    Code that keeps work across the steps of one backward (a gradient hook that batches
+    communication) tells with it whether what it kept belongs to the backward now running or
+    to one that raised before its callbacks could finish it.
+    """
+    return _state.backward_ids[-1] if _state.backward_ids else None
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -83,6 +104,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
         )
     callbacks: list[Callable[[], None]] = []
     _state.callback_stack.append(callbacks)
+    _state.backward_ids.append(next(_backward_ids))
     outer_taken, _state.taken = _state.taken, set()
     # Gradients are computed on the graph's GPU whichever is current, and the caller's current
     # device is back afterwards (see _device_guard). Every node of a graph is on its root's
@@ -106,6 +128,7 @@ def run_backward(root: Tensor, grad: Any | None, retain_graph: bool) -> None:
                 i += 1
         finally:
             _state.callback_stack.pop()
+            _state.backward_ids.pop()
             _state.taken = outer_taken
 
 

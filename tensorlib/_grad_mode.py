@@ -20,6 +20,8 @@ class _GradState(threading.local):
         self.enabled = True
         # One list of queued callbacks per backward() call in progress on this thread.
         self.callback_stack: list[list[Callable[[], None]]] = []
+        # The number of each of those backward() calls (see _backward.current_backward_id).
+        self.backward_ids: list[int] = []
         # Leaves (by id) whose grad buffer an op already wrote into in this backward.
         self.taken: set[int] = set()
 

@@ -15,7 +15,7 @@ from tensorlib.nn import Module, Parameter
 
 from ._mp import MixedPrecisionPolicy, cast_floating
 from ._param import FullBuffer, GatherParams, PreBackward, ShardedParam, shard_rows
-from ._stats import ShardStats
+from ._stats import Ledger, ShardStats
 
 __all__ = ["Unit", "shard_of"]
 
@@ -107,6 +107,12 @@ class Unit:
         schedule calls it, alike on every rank, so the ranks' collectives stay in order."""
         if self.params and self._prefetched is None:
             self._prefetched = self._all_gather(async_op=True)
+            self.schedule.ledger.add(self._gather_bytes)
+
+    @property
+    def _gather_bytes(self) -> int:
+        """An all-gather's send and receive buffers."""
+        return (1 + self.group.size) * self.shard_numel * self.gather_dtype.itemsize
 
     def drop_prefetch(self) -> None:
         """Finish and discard a prefetch no gather used: its shards may change before the
@@ -114,12 +120,14 @@ class Unit:
         work, self._prefetched = self._prefetched, None
         if work is not None:
             work.wait()
+            self.schedule.ledger.sub(self._gather_bytes)
 
     def gather(self) -> None:
         """All-gather every rank's shards into the full buffer (parameter-major), or take the
         prefetched all-gather; then start the next unit's, in the schedule's order."""
         world = self.group.size
         work, self._prefetched = self._prefetched, None
+        ledger = self.schedule.ledger
         stats = self.schedule.stats
         stats.all_gathers += 1
         t0 = time.perf_counter()
@@ -128,8 +136,11 @@ class Unit:
             stats.prefetched += 1
             ranks = work.wait()
         else:
+            ledger.add(self._gather_bytes)
             ranks = self._all_gather(async_op=False)
         stats.gather_wait_s += time.perf_counter() - t0
+        if not self.buffer.gathered:
+            ledger.add(self.buffer.array.nbytes)
         full = self.buffer.array
         for sp in self.params:
             n = sp.shard_numel
@@ -137,46 +148,60 @@ class Unit:
                 :, sp.shard_off : sp.shard_off + n
             ]
         self.buffer.gathered = True
+        ledger.sub(self._gather_bytes)
+
+    def free(self) -> None:
+        """Free the full parameters (their pages go back to the system)."""
+        if self.buffer.gathered:
+            self.schedule.ledger.sub(self.buffer.array.nbytes)
+        self.buffer.free()
 
     def reduce_scatter_grad(self, grad: Any) -> None:
         """Start averaging the full buffer's gradient ``grad`` over the group, each rank
         receiving its shards' rows; then free the full buffer (backward is done with it).
 
         The reduce-scatter runs asynchronously, so it overlaps the backward of the units
-        below; a callback queued for the end of this ``backward()`` waits for it and adds
-        the rows to the shards' ``.grad`` (that callback, not backward's accumulation, sets
-        them, so shards' post-accumulate-grad hooks do not fire).
+        below. As FSDP2 does, one stays in flight: the next unit's reduce-scatter, once
+        issued, waits for this one and adds its rows to the shards' ``.grad``, and a callback
+        queued for the end of this ``backward()`` lands the last (the shards' gradients are
+        set by this code, not by backward's accumulation, so shards' post-accumulate-grad
+        hooks do not fire). So at most two units' reduce-scatter buffers are held at once.
 
         Without gradient sync the gradient is added (in the reduce dtype) to
         :attr:`accumulated` instead, and the next synced backward reduce-scatters the sum.
         """
+        ledger = self.schedule.ledger
+        ledger.add(grad.nbytes)  # backward's full gradient, alive while this runs
         if not self.requires_gradient_sync:
             if self.accumulated is None:
                 self.accumulated = grad.astype(self.reduce_dtype, copy=True)
+                ledger.add(self.accumulated.nbytes)
             else:
                 self.accumulated += grad
-            self.buffer.free()
+            self.free()
+            ledger.sub(grad.nbytes)
             return
-        if self.accumulated is not None:
-            acc, self.accumulated = self.accumulated, None
+        acc, self.accumulated = self.accumulated, None
+        if acc is not None:
             acc += grad
-            grad = acc
         world = self.group.size
         stage = np.empty((world, self.shard_numel), dtype=self.reduce_dtype)
+        held = stage.nbytes + stage[0].nbytes  # the send buffer and the receive buffer
+        ledger.add(held)
+        src = grad if acc is None else acc
         for sp in self.params:
             n = sp.shard_numel
-            stage[:, sp.shard_off : sp.shard_off + n] = grad[
+            stage[:, sp.shard_off : sp.shard_off + n] = src[
                 sp.full_off : sp.full_off + n * world
             ].reshape(world, n)
         work = self.group.reduce_scatter(stage, ReduceOp.AVG, async_op=True)
         self.schedule.stats.reduce_scatters += 1
         self.schedule.stats.bytes_sent += (world - 1) * stage[0].nbytes
-        self.buffer.free()
-        # One callback per reduce-scatter: a backward that raised before its callbacks ran
-        # leaves nothing behind that the next backward would add.
-        tl.queue_callback(lambda: self._land(work))
+        self.free()
+        ledger.sub(grad.nbytes + (0 if acc is None else acc.nbytes))
+        self.schedule.in_flight(_Reduce(self, work, held))
 
-    def _land(self, work: Work) -> None:
+    def land(self, work: Work) -> None:
         """Wait for a reduce-scatter and add its rows to the shards' gradients."""
         t0 = time.perf_counter()
         mine = work.wait().reshape(-1)
@@ -226,7 +251,7 @@ class Unit:
         grad = tl.is_grad_enabled() and any(sp.shard.requires_grad for sp in self.params)
         # Without grad no backward will free it: ZeRO-2 frees after such a forward too.
         if self.reshard_after_forward or not grad:
-            self.buffer.free()
+            self.free()
         return _wrap_outputs(out, self) if grad else out
 
 
@@ -245,12 +270,32 @@ class Schedule:
         self._started: list[Unit] = []
         self._finished: list[Unit] = []
         self._recording = False  # inside the root's forward (a unit called alone records nothing)
-        self.stats = ShardStats()
+        self.ledger = Ledger()
+        self._reducing: _Reduce | None = None  # the reduce-scatter in flight
+
+    @property
+    def stats(self) -> ShardStats:
+        return self.ledger.stats
+
+    def in_flight(self, new: _Reduce) -> None:
+        """Keep ``new`` as the reduce-scatter in flight, landing the one before it (issued in
+        this backward) first; a callback lands ``new`` at the end of backward."""
+        prev, self._reducing = self._reducing, new
+        if prev is not None:
+            if prev.backward == new.backward:
+                prev.land()
+            else:  # its backward raised before landing it: nothing of it may reach .grad
+                prev.discard()
+        tl.queue_callback(new.land)
+
+    def landed(self, done: _Reduce) -> None:
+        if self._reducing is done:
+            self._reducing = None
 
     def started(self, unit: Unit) -> None:
         if unit is self.root:
             self._started, self._finished, self._recording = [], [], True
-            self.stats = ShardStats()
+            self.ledger.new_step()
         if self._recording:
             self._started.append(unit)
 
@@ -270,6 +315,33 @@ class Schedule:
 
     def next_backward(self, unit: Unit) -> Unit | None:
         return _after(self.backward, unit)
+
+
+class _Reduce:
+    """One unit's reduce-scatter in flight, landed once (by the next unit's, or at the end of
+    the backward that issued it)."""
+
+    def __init__(self, unit: Unit, work: Work, held: int) -> None:
+        self.unit, self.held = unit, held
+        self.work: Work | None = work
+        self.backward = tl.current_backward_id()
+
+    def land(self) -> None:
+        work, self.work = self.work, None
+        if work is None:
+            return
+        self.unit.land(work)
+        self._release()
+
+    def discard(self) -> None:
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
+            self._release()
+
+    def _release(self) -> None:
+        self.unit.schedule.ledger.sub(self.held)
+        self.unit.schedule.landed(self)
 
 
 def _after(order: list[Unit], unit: Unit) -> Unit | None:

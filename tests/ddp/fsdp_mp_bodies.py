@@ -182,3 +182,29 @@ def stats(seed: int, steps: int) -> dict[str, Any]:
             "units": len(_units(model)),
         }
     return out
+
+
+def peak(seed: int, blocks: int, reshard: bool, fp16: bool) -> dict[str, Any]:
+    """``stats.peak_bytes`` of a few steps of a model of ``blocks`` equal blocks, and the
+    sizes it is bounded by: the largest unit's full parameters (gathered dtype) and the same
+    elements in the reduce dtype, with this rank's flat shard of it."""
+    rank, world = C.get_rank(), C.get_world_size()
+    base = Model(seed, blocks=blocks, hidden=40)
+    model = _shard(base.to(dtype=tl.float32) if fp16 else base, reshard, MP if fp16 else None)
+    opt = tl.optim.AdamW(model.parameters(), lr=0.01)
+    peaks = []
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, *_batch(seed, step, rank)).backward()
+        opt.step()
+        peaks.append(model.stats.peak_bytes)
+    units = [m._fsdp_unit for m in _units(model)]
+    big = max(units, key=lambda u: u.shard_numel)
+    return {
+        "peaks": peaks,
+        "full": big.buffer.array.nbytes,
+        "grad": big.shard_numel * world * big.reduce_dtype.itemsize,
+        "shard": big.shard_numel * big.gather_dtype.itemsize,
+        "model_full": sum(u.buffer.array.nbytes for u in units),
+        "live_after": model._fsdp_unit.schedule.ledger.live,
+    }

@@ -102,3 +102,27 @@ def test_stats_count_the_collectives_the_prefetches_and_the_bytes(multi: RankPoo
         zero2 = res["zero2"]["seen"][-1][3]
         assert zero2 == 2 * (n - 1) * res["zero2"]["elements"] * 8, where
         assert res["zero3"]["seen"][-1][3] * 2 == zero2 * 3, where
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-gather"])
+def test_peak_during_a_step_is_bounded_by_a_few_units_under_zero3_not_by_the_model(
+    multi: RankPool, fp16: bool
+) -> None:
+    n = multi.world_size
+    got: dict[tuple[int, bool], Any] = {}
+    for blocks in (4, 8):
+        for reshard in (True, False):
+            res = run(multi, "peak", seed=1, blocks=blocks, reshard=reshard, fp16=fp16)[0]
+            assert res["live_after"] == 0, f"{res}: something stayed gathered after the step"
+            got[blocks, reshard] = res
+    z3 = got[8, True]
+    # The bound docs/ddp.md states, in the largest unit's sizes: the unit computing and the
+    # root (used at both ends) gathered, the next unit's all-gather buffers, backward's full
+    # gradient, and two reduce-scatters' buffers (the one issued and the one in flight).
+    s_r = z3["grad"] // n
+    bound = 2 * z3["full"] + (n + 1) * z3["shard"] + z3["full"] + 2 * (n + 1) * s_r
+    assert z3["peaks"][-1] <= bound, (z3, bound)
+    assert z3["peaks"][-1] == got[4, True]["peaks"][-1], "ZeRO-3's peak grew with the model"
+    # ZeRO-2 keeps every unit gathered from forward to backward: its peak grows with the model.
+    grown = got[8, False]["peaks"][-1] - got[4, False]["peaks"][-1]
+    assert grown >= got[8, False]["model_full"] - got[4, False]["model_full"], got

@@ -524,6 +524,30 @@ def test_callbacks_queued_by_callbacks_run_in_order() -> None:
     assert events == ["first", "second", "third"]
 
 
+def test_current_backward_id_tells_one_backward_from_another() -> None:
+    w = _leaf([1.0, 2.0])
+    seen: list[int | None] = []
+    w.register_post_accumulate_grad_hook(lambda leaf: seen.append(tl.current_backward_id()))
+    assert tl.current_backward_id() is None
+    (w * 2.0).sum().backward()
+    (w * 3.0).sum().backward()
+    assert None not in seen and seen[0] != seen[1], seen
+
+    # A backward that raised leaves no id behind; the next one gets a new one.
+    class Boom(tl.Function):
+        def forward(self, x: Any) -> Any:
+            return x
+
+        def backward(self, grad: Any) -> Any:
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        Boom.apply(w).sum().backward()
+    assert tl.current_backward_id() is None
+    (w * 4.0).sum().backward()
+    assert seen[-1] not in seen[:-1], seen
+
+
 def test_queue_callback_outside_backward_raises() -> None:
     with pytest.raises(RuntimeError, match=r"backward\(\)"):
         tl.queue_callback(lambda: None)
