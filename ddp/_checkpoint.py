@@ -12,13 +12,17 @@ writers killed mid-save left); in a job of several ranks only rank 0 writes, and
 ranks wait for it inside :func:`save_checkpoint`, so a rank that reads the checkpoint right
 after saving it finds it complete. The path must be visible to every rank that loads it (one
 host, or a shared filesystem).
+
+``sharded=True`` writes a directory instead (``_sharded_checkpoint``): each rank its own
+shard file, rank 0 the index last, every file as atomically; ``load_checkpoint`` recognises
+the directory and reads on each rank only the ranges it needs (``_sharded_load``).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,8 @@ from tensorlib import nn, optim
 from . import _rng
 from ._data import DataLoader
 from ._sampler import check_int
+from ._sharded_checkpoint import save_sharded
+from ._sharded_load import load_sharded
 from .fsdp import FSDPModule, full_optim_state_dict, shard_full_optim_state_dict
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -116,6 +122,7 @@ def save_checkpoint(
     epoch: int = 0,
     loader: DataLoader | None = None,
     generators: Sequence[Any] = (),
+    sharded: bool = False,
 ) -> None:
     """Save the run's state; rank 0 writes, every rank returns once it is on disk.
 
@@ -144,12 +151,19 @@ def save_checkpoint(
         loader: a :class:`~ddp.DataLoader` whose position (epoch, batches done) is saved:
             rank 0's, the ranks moving in lockstep.
         generators: ``numpy.random.Generator`` objects the script draws from, per rank.
+        sharded: write a sharded checkpoint instead: ``path`` is a directory where every
+            rank writes the pieces of the model and optimizer state it holds (its
+            ``fully_shard`` rows, its ``ZeroRedundancyOptimizer`` pieces, an even slice of
+            what every rank holds whole) and rank 0 then writes the index; nothing is
+            gathered. It loads with :func:`load_checkpoint` at any world size.
 
     Raises:
         TypeError: for a wrong argument type (on every rank, before any communication), or,
             on rank 0, for ``extra`` values that cannot be saved.
-        OSError: on rank 0 when the file cannot be written.
-        RuntimeError: on the other ranks when rank 0 failed to write.
+        ValueError: with ``sharded=True``, on every rank, when ``path`` is a file or the
+            ranks hold different state.
+        OSError: on rank 0 (with ``sharded=True``: on the rank) when a file cannot be written.
+        RuntimeError: on the other ranks when that write failed.
     """
     where = "save_checkpoint"
     module = unwrap_model(model, where)
@@ -160,11 +174,40 @@ def save_checkpoint(
     step = check_int(where, "step", step)
     epoch = check_int(where, "epoch", epoch)
     bits = _rng.check_generators(where, generators)
+    if not isinstance(sharded, bool):
+        raise TypeError(f"{where}: sharded must be True or False, got {sharded!r}")
     target = Path(os.fspath(path))
     world = collectives.get_world_size()
     # Ranks draw differently (dropout, their own noise), so every rank's states are kept.
     mine = _rng.capture(bits)
     ranks = collectives.all_gather_object(mine) if world > 1 else [mine]
+
+    def parts() -> dict[str, Any]:  # the non-tensor parts, on the writer
+        return {
+            "scheduler": None if schedulers is None else [s.state_dict() for s in schedulers],
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "step": step,
+            "epoch": epoch,
+            "loader": loader.state_dict() if loader is not None else None,
+            "rng": {"world_size": world, "ranks": ranks},
+            "extra": extra,
+        }
+
+    if sharded:
+        save_sharded(where, target, module, optimizer, parts)
+    else:
+        _save_consolidated(where, target, module, optimizer, parts)
+
+
+def _save_consolidated(
+    where: str,
+    target: Path,
+    module: nn.Module,
+    optimizer: optim.Optimizer | None,
+    parts: Callable[[], dict[str, Any]],
+) -> None:
+    """The single file: the state gathered (every rank), rank 0 writes, the others wait."""
+    world = collectives.get_world_size()
     model_state, optimizer_state = _gathered_state(where, module, optimizer)
     if collectives.get_rank() != _WRITER:
         error = collectives.broadcast_object(None, src=_WRITER)
@@ -180,13 +223,7 @@ def save_checkpoint(
                 if optimizer_state is not None or optimizer is None
                 else optimizer.state_dict()
             ),
-            "scheduler": None if schedulers is None else [s.state_dict() for s in schedulers],
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "step": step,
-            "epoch": epoch,
-            "loader": loader.state_dict() if loader is not None else None,
-            "rng": {"world_size": world, "ranks": ranks},
-            "extra": extra,
+            **parts(),
         }
         target.parent.mkdir(parents=True, exist_ok=True)
         tl.save(state, target)
@@ -210,10 +247,14 @@ def load_checkpoint(
     rng: bool = False,
     generators: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Load a :func:`save_checkpoint` file into the objects given, on this rank.
+    """Load a :func:`save_checkpoint` file (or sharded directory) into the objects given,
+    on this rank.
 
     No communication: every rank reads the file itself (call it on every rank, after the
-    save, once everything is built and right before the training loop). Values are copied
+    save, once everything is built and right before the training loop). From a sharded
+    checkpoint (a directory) each rank reads only the ranges of the tensors its objects
+    hold at this world size (its ``fully_shard`` rows, its ``ZeroRedundancyOptimizer``
+    pieces, whole tensors for what it holds whole). Values are copied
     into the existing parameters, buffers and optimizer state, which keep their devices and
     dtypes. Everything is checked before anything is changed, so a mismatch leaves the
     objects as they were.
@@ -225,7 +266,7 @@ def load_checkpoint(
     and step load at any world size.
 
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file, or a sharded checkpoint's directory.
         model: an ``nn.Module`` or a ``DistributedDataParallel`` wrapping one; loading is
             strict (same names and shapes; dtypes that cast float to float or integer to a
             fitting integer).
@@ -246,13 +287,15 @@ def load_checkpoint(
         ``extra`` come back as Tensors).
 
     Raises:
-        FileNotFoundError: when there is no file at ``path``.
+        FileNotFoundError: when there is nothing at ``path``, or a directory without a
+            sharded checkpoint's index (no save to it has finished).
         ValueError: when the file is not a checkpoint (not a tensorlib file, no ``model``
-            entry), lacks a part that was asked for (optimizer, scheduler, scaler, loader),
-            or does not match the model (missing/unexpected names, shapes, dtypes: see
-            ``Module.load_state_dict`` for the casts allowed) or another part; when the file
-            holds an array ``tensorlib.save`` never writes (text, complex, object);
-            ``generators`` without ``rng=True``.
+            entry; a sharded checkpoint's index that is malformed or names a missing or
+            damaged shard file), lacks a part that was asked for (optimizer,
+            scheduler, scaler, loader), or does not match the model (missing/unexpected
+            names, shapes, dtypes: see ``Module.load_state_dict`` for the casts allowed) or
+            another part; when the file holds an array ``tensorlib.save`` never writes
+            (text, complex, object); ``generators`` without ``rng=True``.
         TypeError: for a wrong argument type.
     """
     where = "load_checkpoint"
@@ -267,6 +310,34 @@ def load_checkpoint(
     if bits and not rng:
         raise ValueError(f"{where}: generators= are restored with rng=True; pass rng=True too")
     target = Path(os.fspath(path))
+    if target.is_dir():
+        state, commit_model, optimizer_part = load_sharded(where, target, module, map_location)
+        _check_parts_present(where, target, state, parts)
+        if parts["optimizer"] is not None:
+            state["optimizer"], parts["optimizer"] = optimizer_part(parts["optimizer"])
+    else:
+        state, commit_model = _read_consolidated(where, target, module, parts, map_location)
+    rank_rng = _rank_rng(where, target, state) if rng else None
+    _load_parts(where, target, state, parts, rank_rng, bits)
+    commit_model()
+    return {
+        "step": state.get("step", 0),
+        "epoch": state.get("epoch", 0),
+        "extra": state.get("extra"),
+        "rng_restored": rank_rng is not None,
+    }
+
+
+def _read_consolidated(
+    where: str,
+    target: Path,
+    module: nn.Module,
+    parts: dict[str, Any],
+    map_location: str | tl.Device | None,
+) -> tuple[dict[str, Any], Any]:
+    """A checkpoint file's state, checked against the model and the parts asked for (a
+    ``fully_shard`` run's optimizer state cut to this rank's rows), and the function that
+    loads its model state."""
     state = _read(where, target, map_location)
     model_state = state["model"]
     _check_model_state(module, model_state, target)
@@ -281,15 +352,7 @@ def load_checkpoint(
             raise ValueError(
                 f"{where}: {target}: the optimizer state does not match this optimizer: {exc}"
             ) from exc
-    rank_rng = _rank_rng(where, target, state) if rng else None
-    _load_parts(where, target, state, parts, rank_rng, bits)
-    module.load_state_dict(model_state, strict=True)
-    return {
-        "step": state.get("step", 0),
-        "epoch": state.get("epoch", 0),
-        "extra": state.get("extra"),
-        "rng_restored": rank_rng is not None,
-    }
+    return state, lambda: module.load_state_dict(model_state, strict=True)
 
 
 def _check_parts_present(

@@ -51,7 +51,10 @@ With ``--checkpoint-every K`` the run writes ``--checkpoint`` at step 0 and ever
 (model, AdamW, schedule, GradScaler, the loader's position, every rank's random generators);
 a restarted attempt (``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` above 0) resumes
 from it and makes the same updates as an uninterrupted run. A fresh attempt never resumes: its
-step-0 checkpoint replaces whatever an older run left at the path.
+step-0 checkpoint replaces whatever an older run left at the path. With
+``--sharded-checkpoint`` the checkpoint is a directory in which each rank writes its own
+shard and rank 0 the index (nothing is gathered to one rank: the form for ``--zero``), and it
+resumes at any ``--nproc``.
 
 ``--zero 1|2|3`` trains the same model with its state sharded over the ranks (docs/ddp.md says
 when to pick which stage); each reaches DDP's validation loss. ZeRO-1 works with everything
@@ -262,6 +265,7 @@ class Config:
     progress: bool = True
     checkpoint: str = "runs/train_transformer_ddp.npz"
     checkpoint_every: int = 0  # steps; 0: no checkpoints
+    sharded_checkpoint: bool = False  # a directory: each rank writes its shard, rank 0 the index
     zero: int = 0  # ZeRO stage: 0 DDP, 1 ZeroRedundancyOptimizer, 2/3 fully_shard
 
 
@@ -411,6 +415,7 @@ def checkpoint(tr: Trainer, loader: DataLoader, cfg: Config, step: int) -> None:
         scheduler=tr.sched,
         scaler=tr.scaler,
         loader=loader,
+        sharded=cfg.sharded_checkpoint,
     )
 
 
@@ -420,7 +425,10 @@ def resume(tr: Trainer, loader: DataLoader, cfg: Config, master: bool) -> int:
     restarted = any(c and c.isdigit() and int(c) > 0 for c in counts)
     if not cfg.checkpoint_every:
         return 0
-    if not (restarted and os.path.isfile(cfg.checkpoint)):
+    found = os.path.isfile(cfg.checkpoint) or os.path.isfile(
+        os.path.join(cfg.checkpoint, "index.npz")  # a sharded checkpoint's directory
+    )
+    if not (restarted and found):
         checkpoint(tr, loader, cfg, 0)  # this run's own: a restart never finds a stale one
         return 0
     state = load_checkpoint(
@@ -676,6 +684,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         help="write --checkpoint every K steps (0: never); a restarted job resumes from it",
     )
     p.add_argument(
+        "--sharded-checkpoint",
+        action="store_true",
+        help="write --checkpoint as a directory: each rank its shard, rank 0 the index (nothing "
+        "gathered to one rank); it loads at any --nproc",
+    )
+    p.add_argument(
         "--zero",
         type=int,
         choices=(0, 1, 2, 3),
@@ -721,8 +735,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, int | None]:
         compare_buckets=a.compare_buckets,
         log_every=a.log_every,
         progress=not a.no_progress,
-        checkpoint=a.checkpoint,
+        checkpoint=a.checkpoint.removesuffix(".npz")
+        if a.sharded_checkpoint and a.checkpoint == d.checkpoint
+        else a.checkpoint,
         checkpoint_every=a.checkpoint_every,
+        sharded_checkpoint=a.sharded_checkpoint,
         zero=a.zero,
     )
     return cfg, a.nproc

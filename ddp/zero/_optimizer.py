@@ -466,11 +466,11 @@ class ZeroRedundancyOptimizer(Optimizer):
                         f"{tuple(arr.shape)}, the parameter has {p.shape}"
                     )
             full[index] = entry
-        inner_index = {id(piece): k for k, piece in enumerate(self._mine)}
-        inner_state: dict[int, dict[str, Any]] = {}
+        per_piece: list[dict[str, Any] | None] = []
         for piece in self._mine:
             entry = full.get(piece.index)
             if entry is None:
+                per_piece.append(None)
                 continue
             sliced: dict[str, Any] = {}
             for name, value in entry.items():
@@ -481,14 +481,48 @@ class ZeroRedundancyOptimizer(Optimizer):
                 else:
                     # A 0-d array (tensorlib.load gives tensors) back to the number it was.
                     sliced[name] = arr.item() if hasattr(arr, "item") else arr
-            inner_state[inner_index[id(piece)]] = sliced
+            per_piece.append(sliced)
+        self.load_local_state(per_piece, groups)
+
+    def local_pieces(self) -> list[tuple[int, int, int, tuple[int, ...], dict[str, Any]]]:
+        """This rank's pieces, for a checkpoint that stores each rank's part: per piece
+        ``(parameter index over all groups, lo, hi, parameter shape, inner state)``, where
+        ``[lo, hi)`` is the flat element range of the parameter the piece covers and the
+        state's arrays are that range of the parameter's state (what ``step`` steps)."""
+        assert self.optim is not None
+        return [
+            (piece.index, piece.lo, piece.hi, tuple(piece.param.shape), state)
+            for piece in self._mine
+            for state in [
+                self.optim.state.get(piece.tensor, {}) if piece.tensor is not None else {}
+            ]
+        ]
+
+    def load_local_state(
+        self, per_piece: list[dict[str, Any] | None], groups: list[dict[str, Any]]
+    ) -> None:
+        """Load this rank's pieces' state (in :meth:`local_pieces`' order; None: no state)
+        and the groups' options (``param_groups`` of a state dict, whose ``params`` are
+        ignored); the shapes were checked by the caller.
+
+        Raises:
+            ValueError: when ``per_piece`` or ``groups`` do not match this optimizer's.
+        """
+        assert self.optim is not None
+        if len(per_piece) != len(self._mine) or len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.load_local_state: {len(per_piece)} pieces and "
+                f"{len(groups)} groups given, this rank has {len(self._mine)} and "
+                f"{len(self.param_groups)}"
+            )
+        inner_state = {k: st for k, st in enumerate(per_piece) if st is not None}
         inner_groups = []
         at = 0
         for saved, inner in zip(groups, self.optim.param_groups, strict=True):
-            entry3 = {k: v for k, v in saved.items() if k != "params"}
-            entry3["params"] = list(range(at, at + len(inner["params"])))
+            entry = {k: v for k, v in saved.items() if k != "params"}
+            entry["params"] = list(range(at, at + len(inner["params"])))
             at += len(inner["params"])
-            inner_groups.append(entry3)
+            inner_groups.append(entry)
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         for saved, own in zip(groups, self.param_groups, strict=True):
             for k, v in saved.items():

@@ -169,6 +169,24 @@ def test_launcher_form(launched_run: tuple[Path, str]) -> None:
     assert ckpt.is_file()
 
 
+def _same_shards(a: Path, b: Path) -> None:
+    """Two sharded checkpoints of the same world size: the same step and every rank's shard
+    file bitwise equal (the save ids in the names differ)."""
+    import numpy as np
+
+    import tensorlib as tl
+
+    assert tl.load(a / "index.npz")["step"] == tl.load(b / "index.npz")["step"]
+    files_a, files_b = sorted(a.glob("shard-*.npz")), sorted(b.glob("shard-*.npz"))
+    assert len(files_a) == len(files_b) >= 1, (files_a, files_b)
+    for fa, fb in zip(files_a, files_b, strict=True):
+        assert fa.name[-9:] == fb.name[-9:]  # the rank
+        pa, pb = tl.load(fa), tl.load(fb)
+        assert len(pa) == len(pb), (fa, fb)
+        for va, vb in zip(pa, pb, strict=True):
+            assert np.array_equal(np.asarray(va), np.asarray(vb)), f"{fa.name} differs"
+
+
 def _same_state(a: Path, b: Path) -> None:
     """Model and optimizer state bitwise equal, and the same step."""
     import numpy as np
@@ -336,7 +354,9 @@ def test_transformer_grad_accum_is_the_larger_batch_and_amp_trains() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("zero", ["0", "1", "3"], ids=["ddp", "zero1", "zero3"])
+@pytest.mark.parametrize(
+    "zero", ["0", "1", "3", "3-sharded"], ids=["ddp", "zero1", "zero3", "zero3-sharded"]
+)
 def test_transformer_restart_resumes_exactly(tmp_path: Path, zero: str) -> None:
     """The GPT example with --amp (under --zero 3: float16 all-gathers, float32 master shards)
     and --grad-accum 2, checkpointing every 3 steps: killed right after the step-6 checkpoint,
@@ -344,29 +364,36 @@ def test_transformer_restart_resumes_exactly(tmp_path: Path, zero: str) -> None:
     AdamW, schedule and scaler resumed, the loader's micro-batch position too); under DDP,
     --zero 1 (the ZeroRedundancyOptimizer's state consolidated into the checkpoint and
     sharded again on resume) and --zero 3 (fully_shard: the full model and the optimizer's
-    shards gathered into the checkpoint)."""
+    shards gathered into the checkpoint), and --zero 3 with --sharded-checkpoint (each rank
+    writes its shard; killed right after the step-6 index)."""
+    sharded = zero.endswith("-sharded")
     common = ["examples/train_transformer_ddp.py", "--steps", "9", "--log-every", "9"]
-    common += ["--zero", zero]
+    common += ["--zero", zero.removesuffix("-sharded")]
+    common += ["--sharded-checkpoint"] if sharded else []
     common += ["--no-progress", "--d-model", "32", "--block", "16", "--batch-size", "8"]
     common += ["--warmup", "2", "--grad-accum", "2", "--checkpoint-every", "3"]
     common += ["--amp"]
-    whole = tmp_path / "whole.npz"
+    whole = tmp_path / ("whole" if sharded else "whole.npz")
     _ok(_run([*common, "--checkpoint", str(whole)]))
-    ckpt = tmp_path / "gpt.npz"
+    ckpt = tmp_path / ("gpt" if sharded else "gpt.npz")
     (tmp_path / "sitecustomize.py").write_text(KILLER)
     hooked = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     # Checkpoints at steps 0, 3, 6: killed right after the third.
     killed = _run(
         [*common, "--checkpoint", str(ckpt)],
-        env_vars={"KILL_AFTER_CHECKPOINT": "gpt.npz:3", **hooked},
+        env_vars={"KILL_AFTER_CHECKPOINT": f"{'index' if sharded else 'gpt'}.npz:3", **hooked},
     )
     assert killed.returncode == -9, (killed.returncode, killed.stdout, killed.stderr)
     out = _ok(_run([*common, "--checkpoint", str(ckpt)], env_vars={"DPT_RESTART_COUNT": "1"}))
     assert f"resumed from {ckpt} at step 6" in out
-    _same_state(ckpt, whole)
     import tensorlib as tl
 
-    a, b = tl.load(ckpt), tl.load(whole)
+    if sharded:
+        _same_shards(ckpt, whole)
+        a, b = tl.load(ckpt / "index.npz"), tl.load(whole / "index.npz")
+    else:
+        _same_state(ckpt, whole)
+        a, b = tl.load(ckpt), tl.load(whole)
     assert a["scheduler"] == b["scheduler"] and a["scaler"] == b["scaler"]
     assert a["loader"] == b["loader"] == {"epoch": 0, "batches_done": 18}
 
