@@ -45,6 +45,7 @@ def test_gpu_tests_pass_on_the_fake_cupy() -> None:
     env[FAKE_ENV] = "1"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     cmd += ["tests/tensorlib", "tests/ddp/test_ddp_gpu.py", "tests/ddp/test_learner_gpu.py"]
+    cmd += ["tests/ddp/test_zero_gpu.py"]
     cmd += ["tests/ddp/test_metrics.py"]  # metrics of CUDA inputs
     try:
         proc = subprocess.run(
