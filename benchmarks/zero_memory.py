@@ -2,6 +2,7 @@
 
     python -m benchmarks.zero_memory                      # N = 2 and 4, cap 8 MB
     python -m benchmarks.zero_memory --worlds 2 --cap-mb 4 --json zero.json
+    python -m benchmarks.zero_memory --mp                 # mixed precision, the issue's formulas
 
 One float32 model (``blocks`` residual blocks Linear(W, 4W) -> ReLU -> Linear(4W, W), then a
 Linear(W, 5) head) trained with AdamW on the cpu backend (``collectives.spawn``), under:
@@ -24,6 +25,16 @@ gradients + 8P Adam moments = 16P; ZeRO-1 4P + 4P + 8P/N; ZeRO-2 and ZeRO-3 afte
 4P/N + 4P/N + 8P/N = 16P/N (``fully_shard`` frees the full parameters once backward is done
 with them, so between steps ZeRO-2 holds what ZeRO-3 does; its 4P + 4P/N + 8P/N is the peak
 from forward to backward, when every unit's full parameters are gathered).
+
+With ``--mp`` every stage trains in mixed precision: DDP and ZeRO-1 under float16 autocast
+(float32 parameters), ZeRO-2/3 with ``MixedPrecisionPolicy(param_dtype=float16,
+reduce_dtype=float32)`` (float16 all-gathers and compute over float32 master shards) and
+autocast; the formulas are then the ZeRO paper's for float16 parameters and gradients with
+float32 master weights and moments: DDP 2P + 2P + 12P = 16P, ZeRO-1 2P + 2P + 12P/N, ZeRO-2
+2P + 2P/N + 12P/N, ZeRO-3 16P/N (see :func:`formulas` for where this code's accounting
+differs). For ``fully_shard`` the table also gives ``model.stats``: the step's peak bytes
+beyond the shards (gathered units and collective buffers) and the seconds it waited for
+communication (what prefetching and overlap did not hide).
 """
 
 from __future__ import annotations
@@ -44,7 +55,13 @@ import numpy as np
 import collectives
 import collectives as C
 import tensorlib as tl
-from ddp import DistributedDataParallel, ZeroRedundancyOptimizer, fully_shard, memory_stats
+from ddp import (
+    DistributedDataParallel,
+    MixedPrecisionPolicy,
+    ZeroRedundancyOptimizer,
+    fully_shard,
+    memory_stats,
+)
 from tensorlib import Tensor, nn, optim
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -85,8 +102,9 @@ def num_params(width: int, blocks: int) -> int:
     return blocks * (8 * width * width + 5 * width) + OUT * width + OUT
 
 
-def build(stage: str, width: int, blocks: int, seed: int = 0) -> tuple[Any, Any]:
-    """The model under ``stage`` and its AdamW (every rank calls it alike)."""
+def build(stage: str, width: int, blocks: int, seed: int = 0, mp: bool = False) -> tuple[Any, Any]:
+    """The model under ``stage`` and its AdamW (every rank calls it alike); with ``mp``
+    ``fully_shard`` gathers in float16 and reduces in float32."""
     model: Any = Model(width, blocks, seed)
     kw: dict[str, Any] = {"lr": LR, "weight_decay": 0.01}
     if stage in ("ddp", "zero1"):
@@ -97,9 +115,10 @@ def build(stage: str, width: int, blocks: int, seed: int = 0) -> tuple[Any, Any]
     if stage not in ("zero2", "zero3"):
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     reshard = stage == "zero3"
+    policy = MixedPrecisionPolicy(param_dtype=tl.float16, reduce_dtype=tl.float32) if mp else None
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
     return model, optim.AdamW(model.parameters(), **kw)
 
 
@@ -121,20 +140,40 @@ def gathered_bytes(model: Any) -> int:
     return total
 
 
-def train_step(model: Any, opt: Any, width: int, rows: int, step: int) -> int:
-    """One AdamW step; returns the full parameters still gathered at the end of forward."""
+def train_step(model: Any, opt: Any, width: int, rows: int, step: int, mp: bool = False) -> int:
+    """One AdamW step (under float16 autocast with ``mp``); returns the full parameters still
+    gathered at the end of forward."""
     x, y = batch(width, rows, step)
     opt.zero_grad()
-    out = model(x)
+    with tl.autocast(dtype=tl.float16, enabled=mp):
+        out = model(x)
     held = gathered_bytes(model)
-    loss = ((out - y) ** 2).mean()
+    loss = ((out.astype(tl.float32) - y) ** 2).mean()
     loss.backward()
     opt.step()
     return held
 
 
-def formulas(stage: str, p: int, n: int) -> dict[str, float]:
-    """Bytes per rank after a step, float32 without mixed precision (see the module doc)."""
+def formulas(stage: str, p: int, n: int, mp: bool = False) -> dict[str, float]:
+    """Bytes per rank after a step, float32 without mixed precision (see the module doc), or
+    with ``mp`` the issue's mixed-precision formulas (float16 parameters and gradients,
+    float32 master weights and Adam moments, counted under "optimizer"). This code's
+    accounting differs from them: DDP and ZeRO-1 keep float32 parameters and gradients under
+    autocast (4P + 4P instead of 2P + 2P + the 4P master weights, the same 16P for DDP, but
+    ZeRO-1 holds 8P + 8P/N, not 4P + 12P/N: its master weights are the replicated float32
+    parameters), and ``fully_shard`` keeps no float16 copy between steps and reduces into
+    float32 gradient shards (ZeRO-2 and ZeRO-3 both hold 16P/N after the step, under ZeRO-2's
+    2P + 14P/N)."""
+    if mp:
+        half, master = 2.0 * p, 12.0 * p
+        table_mp = {
+            "ddp": (half, half, master),
+            "zero1": (half, half, master / n),
+            "zero2": (half, half / n, master / n),
+            "zero3": (half / n, half / n, master / n),
+        }
+        a, b, c = table_mp[stage]
+        return {"parameters": a, "gradients": b, "optimizer": c}
     full, shard = 4.0 * p, 4.0 * p / n
     table = {
         "ddp": (full, full, 2 * full),
@@ -207,6 +246,7 @@ class Config:
     cap_mb: float = 8.0
     max_width: int = 1024
     worlds: list[int] = field(default_factory=lambda: [2, 4])
+    mp: bool = False
 
 
 def _slowest(value: float) -> float:
@@ -216,19 +256,21 @@ def _slowest(value: float) -> float:
 
 def measure(stage: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Memory after one step, gathered bytes at the end of forward, traffic of the second."""
-    w, b, rows = cfg["width"], cfg["blocks"], cfg["rows"]
-    model, opt = build(stage, w, b)
-    held = train_step(model, opt, w, rows, 0)
+    w, b, rows, mp = cfg["width"], cfg["blocks"], cfg["rows"], cfg["mp"]
+    model, opt = build(stage, w, b, mp=mp)
+    held = train_step(model, opt, w, rows, 0, mp)
     mem = memory_stats(model, opt)
     counter = TrafficCounter()
     with counter.counting():
-        train_step(model, opt, w, rows, 1)
-    return {"memory": mem, "held_at_forward_end": held, "sent": counter.total}
+        train_step(model, opt, w, rows, 1, mp)
+    stats = getattr(model, "stats", None)
+    peak = getattr(stats, "peak_bytes", None)
+    return {"memory": mem, "held_at_forward_end": held, "sent": counter.total, "peak": peak}
 
 
 def _fits(stage: str, width: int, cfg: dict[str, Any]) -> bool:
-    model, opt = build(stage, width, cfg["blocks"])
-    held = train_step(model, opt, width, cfg["rows"], 0)
+    model, opt = build(stage, width, cfg["blocks"], mp=cfg["mp"])
+    held = train_step(model, opt, width, cfg["rows"], 0, cfg["mp"])
     mine = sum(memory_stats(model, opt).values()) + held
     return _slowest(float(mine)) <= cfg["cap_mb"] * 1e6
 
@@ -255,20 +297,24 @@ def worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for stage in STAGES:
         out["stages"][stage] = measure(stage, cfg)
     # Step time: the four stages alternate step by step, in an order rotated every round.
-    built = {s: build(s, w, b) for s in STAGES}
+    mp = cfg["mp"]
+    built = {s: build(s, w, b, mp=mp) for s in STAGES}
     for m, o in built.values():
-        train_step(m, o, w, rows, 0)  # warm-up
+        train_step(m, o, w, rows, 0, mp)  # warm-up
     times: dict[str, list[float]] = {s: [] for s in STAGES}
+    waits: dict[str, list[float]] = {s: [] for s in STAGES}
     for r in range(cfg["steps"]):
         order = STAGES[r % 4 :] + STAGES[: r % 4]
         for s in order:
             m, o = built[s]
             C.get_default_group().barrier()
             t0 = time.perf_counter()
-            train_step(m, o, w, rows, r + 1)
+            train_step(m, o, w, rows, r + 1, mp)
             times[s].append(_slowest(time.perf_counter() - t0))
+            waits[s].append(_slowest(m.stats.wait_s))  # DDP's and fully_shard's stats
     for s in STAGES:
         out["stages"][s]["step_s"] = statistics.median(times[s])
+        out["stages"][s]["wait_s"] = statistics.median(waits[s])
     del built
     for s in STAGES:
         width = largest(s, cfg)
@@ -285,27 +331,29 @@ def report(cfg: Config, runs: list[dict[str, Any]]) -> str:
         n, p = run["world"], run["P"]
         st = run["stages"]
         lines += [
-            f"N = {n}, P = {p:,} (width {cfg.width}, {cfg.blocks} blocks, float32, AdamW), "
+            f"N = {n}, P = {p:,} (width {cfg.width}, {cfg.blocks} blocks, "
+            f"{'mixed precision' if cfg.mp else 'float32'}, AdamW), "
             f"cap {cfg.cap_mb:g} MB per rank",
             "",
             "| stage | params MB | grads MB | optim MB | total MB | formula MB | ratio "
-            "| gathered at fwd end MB | sent MB/step | x DDP | step ms | x DDP "
-            "| largest P under cap | x DDP |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| gathered at fwd end MB | peak extra MB | sent MB/step | x DDP | step ms | x DDP "
+            "| wait ms | largest P under cap | x DDP |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         base = st["ddp"]
         for s in STAGES:
             r = st[s]
             mem = r["memory"]
             total = sum(mem.values())
-            want = sum(formulas(s, p, n).values())
+            want = sum(formulas(s, p, n, cfg.mp).values())
+            peak = "-" if r.get("peak") is None else f"{r['peak'] / 1e6:.3f}"
             lines.append(
                 f"| {s} | {mem['parameters'] / 1e6:.3f} | {mem['gradients'] / 1e6:.3f} "
                 f"| {mem['optimizer'] / 1e6:.3f} | {total / 1e6:.3f} | {want / 1e6:.3f} "
-                f"| {total / want:.3f} | {r['held_at_forward_end'] / 1e6:.3f} "
+                f"| {total / want:.3f} | {r['held_at_forward_end'] / 1e6:.3f} | {peak} "
                 f"| {r['sent'] / 1e6:.3f} | {r['sent'] / base['sent']:.2f} "
                 f"| {r['step_s'] * 1e3:.1f} | {r['step_s'] / base['step_s']:.2f} "
-                f"| {r['cap_params']:,} | "
+                f"| {r['wait_s'] * 1e3:.2f} | {r['cap_params']:,} | "
                 f"{r['cap_params'] / base['cap_params'] if base['cap_params'] else 0:.2f} |"
             )
         lines.append("")
@@ -323,9 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-mb", type=float, default=d.cap_mb, help="per-rank memory cap")
     p.add_argument("--max-width", type=int, default=d.max_width, help="largest width tried")
     p.add_argument("--worlds", type=int, nargs="+", default=d.worlds)
+    p.add_argument("--mp", action="store_true", help="mixed precision (see above)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args(argv)
-    cfg = Config(a.width, a.blocks, a.rows, a.steps, a.cap_mb, a.max_width, a.worlds)
+    cfg = Config(a.width, a.blocks, a.rows, a.steps, a.cap_mb, a.max_width, a.worlds, a.mp)
     runs = []
     for n in cfg.worlds:
         print(f"running N = {n} (cpu backend) ...", file=sys.stderr, flush=True)

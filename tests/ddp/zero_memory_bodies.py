@@ -20,17 +20,18 @@ from ddp import memory_stats
 WIDTH, BLOCKS, ROWS = 64, 3, 8
 
 
-def by_stage(seed: int) -> dict[str, Any]:
+def by_stage(seed: int, mp: bool = False) -> dict[str, Any]:
     """For every stage: memory_stats after one step, the full parameters still gathered at
-    the end of the second step's forward, and the bytes (and calls) the second step sends."""
+    the end of the second step's forward, and the bytes (and calls) the second step sends
+    (with ``mp``: the benchmark's mixed precision, float16 autocast and gathers)."""
     out: dict[str, Any] = {"P": num_params(WIDTH, BLOCKS), "world": C.get_world_size()}
     for stage in STAGES:
-        model, opt = build(stage, WIDTH, BLOCKS, seed)
-        train_step(model, opt, WIDTH, ROWS, 0)
+        model, opt = build(stage, WIDTH, BLOCKS, seed, mp=mp)
+        train_step(model, opt, WIDTH, ROWS, 0, mp)
         mem = memory_stats(model, opt)
         counter = TrafficCounter()
         with counter.counting():
-            held = train_step(model, opt, WIDTH, ROWS, 1)
+            held = train_step(model, opt, WIDTH, ROWS, 1, mp)
         out[stage] = {
             "memory": mem,
             "held": held,
