@@ -2,6 +2,7 @@
 
     python -m benchmarks.restart_cost                  # 2 ranks, 5 rounds, both launchers
     python -m benchmarks.restart_cost --nproc 3 --rounds 9 --json out.json
+    python -m benchmarks.restart_cost --nodes 2 --nproc 1   # 2 simulated nodes, c10d
 
 Each round runs one job with ``--max-restarts 1`` under ``python -m collectives.run`` (cpu
 backend) and under ``python -m torch.distributed.run`` (gloo; skipped without PyTorch), in
@@ -19,7 +20,12 @@ figures per launcher, medians over the rounds:
 A round whose restarted job fails, or hangs (no end within 60 s: it is then killed), is
 counted and its last error line printed, not timed.
 
-torchrun runs ``--standalone`` with ``--monitor-interval 0.05`` (how often it polls its
+With ``--nodes N`` each job is N launchers on this machine (simulated nodes) that meet in a
+c10d rendezvous on 127.0.0.1 (``--nnodes N --rdzv-backend c10d --rdzv-endpoint``, the same
+flags for both launchers); the rank that dies is on the last node to join, and ``to_ready`` is
+the time from its death to every node's workers having done their next first all-reduce.
+
+torchrun runs ``--standalone`` (one node) with ``--monitor-interval 0.05`` (how often it polls its
 workers; ours polls every 0.05 s too) and ``GLOO_SOCKET_IFNAME=lo`` unless set.
 """
 
@@ -44,7 +50,10 @@ HANG_S = 60.0  # a job not done by then counts as hung (a round takes a few seco
 def worker(log: str, library: str) -> None:
     """One rank: note the times, join the group, all-reduce, and die on attempt 0's last rank."""
     started = time.time()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # A start after the kill belongs to the next attempt. (Not TORCHELASTIC_RESTART_COUNT:
+    # torchrun keeps it per node, and a node restarted because another node's rank died
+    # gets 0 again.)
+    attempt = 1 if '"kill"' in (Path(log).read_text() if Path(log).exists() else "") else 0
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if library == "torch":
         import datetime
@@ -81,52 +90,79 @@ def worker(log: str, library: str) -> None:
         collectives.destroy_process_group()
 
 
-def _launch(library: str, nproc: int, log: Path) -> list[str]:
+def _launch(library: str, nproc: int, log: Path, nodes: int = 1, port: int = 0) -> list[str]:
+    """One node's launcher command; with ``nodes`` > 1, a c10d rendezvous at ``port``."""
     if library == "torch":
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"]
+        launcher = ["-m", "torch.distributed.run", "--max-restarts", "1"]
         launcher += ["--monitor-interval", "0.05"]
     else:
         launcher = ["-m", "collectives.run", "--max-restarts", "1"]
+    if nodes == 1:
+        launcher += ["--standalone"] if library == "torch" else []
+    else:
+        launcher += ["--nnodes", str(nodes), "--rdzv-backend", "c10d"]
+        launcher += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}"]
+        if library == "collectives":
+            # torchrun's keep-alive defaults (5 s x 3); our last call waits for nobody here.
+            launcher += ["--rdzv-conf", "keep_alive_interval=5,keep_alive_max_attempt=3"]
     me = [str(Path(__file__).resolve()), "--worker", str(log), library]
     return [sys.executable, *launcher, "--nproc-per-node", str(nproc), *me]
 
 
-def one_round(library: str, nproc: int, tmp: Path) -> dict[str, float] | str:
-    """Run one job that is killed once: the three figures of the module docstring, or, when
-    the restarted job failed, its last error line."""
-    log = tmp / f"{library}-{time.monotonic_ns()}.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    # Gloo picks the interface the hostname resolves to, which a container may not route;
-    # loopback is what both jobs use here.
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        _launch(library, nproc, log),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # so a hung job is ended with everything it started
-    )
-    try:
-        _, stderr = proc.communicate(timeout=HANG_S)
-    except subprocess.TimeoutExpired:
+def _end_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
         for pid in [proc.pid, *_descendants(proc.pid)]:  # workers may sit in other sessions
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        proc.communicate()
-        return f"hung: no end within {HANG_S:g} s"
+        proc.wait()
+
+
+def one_round(library: str, nproc: int, tmp: Path, nodes: int = 1) -> dict[str, float] | str:
+    """Run one job that is killed once: the three figures of the module docstring, or, when
+    the restarted job failed, its last error line. ``nodes`` launchers stand for as many
+    nodes (c10d rendezvous on 127.0.0.1); the rank that dies is the last node's last."""
+    from collectives.run import free_port
+
+    log = tmp / f"{library}-{time.monotonic_ns()}.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # Gloo picks the interface the hostname resolves to, which a container may not route;
+    # loopback is what both jobs use here.
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = free_port()
+    t0 = time.monotonic()
+    procs, errs = [], []
+    for node in range(nodes):
+        errs.append(tmp / f"{log.stem}.node{node}.err")
+        with open(errs[-1], "wb") as err:
+            procs.append(
+                subprocess.Popen(
+                    _launch(library, nproc, log, nodes, port),
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,  # so a hung job is ended with all it started
+                )
+            )
+    deadline = t0 + HANG_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _end_all(procs)
+            return f"hung: no end within {HANG_S:g} s"
     job = time.monotonic() - t0
-    if proc.returncode != 0:
-        errors = [ln for ln in stderr.splitlines() if "Error" in ln]
-        return f"exit {proc.returncode}: {(errors or ['no error line'])[-1].strip()[:300]}"
+    for proc, err_path in zip(procs, errs, strict=True):
+        if proc.returncode != 0:
+            stderr = err_path.read_text(errors="replace")
+            errors = [ln for ln in stderr.splitlines() if "Error" in ln]
+            return f"exit {proc.returncode}: {(errors or ['no error line'])[-1].strip()[:300]}"
     records = [json.loads(line) for line in log.read_text().splitlines()]
     kill = next(r["kill"] for r in records if "kill" in r)
     again = [r for r in records if r["a"] == 1 and "start" in r]
-    if len(again) != nproc:
-        raise RuntimeError(f"{library}: {len(again)} of {nproc} ranks ran attempt 1")
+    if len(again) != nproc * nodes:
+        raise RuntimeError(f"{library}: {len(again)} of {nproc * nodes} ranks ran attempt 1")
     return {
         "to_start": min(r["start"] for r in again) - kill,
         "to_ready": max(r["ready"] for r in again) - kill,
@@ -164,7 +200,13 @@ def _have_torch() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes: launchers on this machine meeting in a c10d rendezvous",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--worker", nargs=2, metavar=("LOG", "LIBRARY"), help=argparse.SUPPRESS)
@@ -172,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(*a.worker)
         return 0
-    if a.nproc < 2 or a.rounds < 1:
-        p.error("--nproc must be >= 2 and --rounds >= 1")
+    if a.nproc * a.nodes < 2 or a.rounds < 1 or a.nodes < 1:
+        p.error("--nproc x --nodes must be >= 2, --nodes >= 1 and --rounds >= 1")
     libraries = ["collectives", *(["torch"] if _have_torch() else [])]
     runs: dict[str, list[dict[str, float]]] = {lib: [] for lib in libraries}
     failures: dict[str, list[str]] = {lib: [] for lib in libraries}
@@ -181,15 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.rounds):
             order = libraries if i % 2 == 0 else libraries[::-1]
             for lib in order:
-                result = one_round(lib, a.nproc, Path(tmp))
+                result = one_round(lib, a.nproc, Path(tmp), a.nodes)
                 if isinstance(result, str):
                     failures[lib].append(result)
                 else:
                     runs[lib].append(result)
     names = {"collectives": "collectives.run (cpu)", "torch": "torchrun (gloo)"}
-    print(f"{a.nproc} ranks, {a.rounds} rounds, medians (min-max), seconds:")
+    where = f"{a.nodes} simulated nodes x " if a.nodes > 1 else ""
+    print(f"{where}{a.nproc} ranks, {a.rounds} rounds, medians (min-max), seconds:")
     print(f"{'launcher':<24}{'kill->start':>20}{'kill->ready':>20}{'job':>20}")
-    summary: dict[str, Any] = {"nproc": a.nproc, "rounds": a.rounds, "launchers": {}}
+    summary: dict[str, Any] = {
+        "nproc": a.nproc,
+        "nodes": a.nodes,
+        "rounds": a.rounds,
+        "launchers": {},
+    }
     for lib, rs in runs.items():
         cells, figs = [], {}
         if not rs:

@@ -13,11 +13,17 @@ wrote, else from the tail of its stderr), and exits with its exit code (128 + N 
 SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to the workers the same way; a
 second one kills them at once. Workers get SIGKILL if the launcher itself dies (Linux).
 
-Restarts (``--max-restarts N``, one node): after a failed attempt is reported, the whole job
+Restarts (``--max-restarts N``): after a failed attempt is reported, the whole job
 starts again, up to N times, with ``DPT_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` set to
 the attempt; nothing of the old attempt is left (its processes, segments, error files; the
 port is fresh unless ``--master-port`` was given). A signal to the launcher ends the job
 without a restart; the exit code is the last attempt's. See :mod:`collectives.launch._restarts`.
+
+Several nodes: ``--rdzv-backend static`` (the default) takes ``--node-rank`` and rank 0's
+address as given, and each node's launcher runs alone (no restarts); ``--rdzv-backend c10d
+--rdzv-endpoint HOST:PORT`` makes every node's launcher join rounds that assign node ranks,
+restart every node's workers together and let ``--nnodes MIN:MAX`` jobs shrink and grow (see
+:mod:`collectives.launch._elastic`). Every flag also reads torchrun's ``PET_*`` variable.
 
 Workers' stdout is inherited; their stderr goes through the launcher unchanged (raw bytes, so
 ``\\r`` progress bars still work), keeping the last 64 KiB per rank for the report.
@@ -97,6 +103,17 @@ class _Worker:
         return self.proc.poll()
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where this node's workers sit in the job (fixed, or from a rendezvous round)."""
+
+    node_rank: int
+    nnodes: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+
+
 class _Signals:
     """Records SIGINT/SIGTERM/SIGHUP sent to the launcher; the main loop acts on them."""
 
@@ -136,6 +153,13 @@ class _Supervisor:
         self._at_line_start = True  # whether the forwarded stderr ended with a newline
         self._signals_handled = 0  # launcher signals already acted on; one more means SIGKILL
         self.attempt = 0  # 0 on the first start, k on restart k
+        self.placement = _Placement(
+            node_rank=cfg.node_rank,
+            nnodes=cfg.nnodes,
+            rank_offset=cfg.node_rank * cfg.nproc_per_node,
+            world_size=cfg.world_size,
+            master_addr=cfg.master_addr,
+        )
         self._restart = False  # the attempt just ended failed and may be restarted
 
     # ------------------------------------------------------------------ output
@@ -190,7 +214,7 @@ class _Supervisor:
 
     # ------------------------------------------------------------------ start
     def _start(self, errdir: Path, gpus: list[str] | None, run_id: str, port: int) -> None:
-        cfg = self.cfg
+        cfg, where = self.cfg, self.placement
         python = [sys.executable, "-u"]
         cmd = [*python, "-m", cfg.target] if cfg.module else [*python, cfg.target]
         cmd += list(cfg.target_args)
@@ -204,17 +228,17 @@ class _Supervisor:
             set_parent_death_signal(signal.SIGKILL, parent)
 
         for local_rank in range(cfg.nproc_per_node):
-            rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+            rank = where.rank_offset + local_rank
             env = dict(base)
             env.update(
                 rank_env(
                     rank=rank,
-                    world_size=cfg.world_size,
+                    world_size=where.world_size,
                     local_rank=local_rank,
                     local_world_size=cfg.nproc_per_node,
-                    node_rank=cfg.node_rank,
-                    nnodes=cfg.nnodes,
-                    master_addr=cfg.master_addr,
+                    node_rank=where.node_rank,
+                    nnodes=where.nnodes,
+                    master_addr=where.master_addr,
                     master_port=port,
                     run_id=run_id,
                     gpu=None if gpus is None else gpus[local_rank],
@@ -267,14 +291,20 @@ class _Supervisor:
             self.selector.close()
             self.signals.restore()
 
-    def _attempt(self, gpus: list[str] | None) -> int:
-        """Start every worker once and see the attempt to its end; nothing of it is left."""
+    def _attempt(self, gpus: list[str] | None, port: int | None = None) -> int:
+        """Start every worker once and see the attempt to its end; nothing of it is left.
+
+        ``port`` is rank 0's store port (a rendezvous round's); None: the command line's on
+        the first attempt or when given, else a fresh free one.
+        """
         cfg = self.cfg
         self._restart = False
         self.workers = []
         run_id = attempt_run_id(cfg.run_id, self.attempt)
-        # The first attempt's port was chosen (or given) with the command line.
-        port = cfg.master_port if self.attempt == 0 or cfg.fixed_port else free_port("127.0.0.1")
+        if port is None:
+            # The first attempt's port was chosen (or given) with the command line.
+            fixed = self.attempt == 0 or cfg.fixed_port
+            port = cfg.master_port if fixed else free_port("127.0.0.1")
         errdir = Path(tempfile.mkdtemp(prefix="dpt-run-"))
         try:
             try:
@@ -295,10 +325,17 @@ class _Supervisor:
             shutil.rmtree(errdir, ignore_errors=True)
             remove_run_segments(run_id)
 
+    def _external_end(self) -> int | None:
+        """An exit code when something outside this node ends the attempt (a rendezvous)."""
+        return None
+
     def _monitor(self) -> int:
         while True:
             if self.signals.received:
                 return self._on_signal(self.signals.received[0])
+            code = self._external_end()
+            if code is not None:
+                return code
             # Exit codes first, output second: a worker's last words are in the pipe by the
             # time its exit is seen, so the drain below has them for the report.
             returncodes = [w.poll() for w in self.workers]
@@ -352,21 +389,7 @@ class _Supervisor:
 
     def _on_failure(self, failed: list[_Worker]) -> int:
         cfg = self.cfg
-        first = pick_first([self._failure_of(w) for w in failed])
-        self._signals_handled = len(self.signals.received)
-        endings = shutdown(self.workers, cfg.grace_period, wait=self._wait_escalating)
-        self._drain_all()
-        worker = next(w for w in self.workers if w.rank == first.rank)
-        where = f"; local rank {worker.local_rank} on {self.host}, pid {worker.pid}"
-        others = describe_others(
-            [w.rank for w in self.workers],
-            [w.proc.returncode for w in self.workers],
-            endings,
-            first.rank,
-            cfg.grace_period,
-        )
-        rc = first.returncode if first.returncode is not None else 1
-        code = exit_status(rc)
+        code, text = self._end_failed(failed)
         last = restart_line(PROG, self.attempt, cfg.max_restarts, f"{PROG} exits with code {code}")
         self._restart = self.attempt < cfg.max_restarts
         if self._restart and self.signals.received:
@@ -374,14 +397,50 @@ class _Supervisor:
             sig = signal_name(self.signals.received[0])
             last = f"{PROG} received {sig}: no restart; {PROG} exits with code {code}"
         self._report(
-            f"job failed{attempt_title(self.attempt, cfg.max_restarts)}",
-            f"{format_failure(first, cfg.world_size, where)}\n"
-            f"other ranks on this node: {others}\n"
-            f"{last}",
+            f"job failed{attempt_title(self.attempt, cfg.max_restarts)}", f"{text}\n{last}"
         )
         return code
 
+    def _end_failed(self, failed: list[_Worker]) -> tuple[int, str]:
+        """End every worker after ``failed`` failed; the exit code and the report's lines."""
+        first = pick_first([self._failure_of(w) for w in failed])
+        code, text = self._failure_text(first)
+        return code, f"{text}\nother ranks on this node: {self._end_others(first)}"
+
+    def _failure_text(self, first: Failure) -> tuple[int, str]:
+        """The exit status a failed rank gives the launcher, and the lines that describe it."""
+        worker = next(w for w in self.workers if w.rank == first.rank)
+        where = f"; local rank {worker.local_rank} on {self.host}, pid {worker.pid}"
+        rc = first.returncode if first.returncode is not None else 1
+        return exit_status(rc), format_failure(first, self.placement.world_size, where)
+
+    def _end_others(self, first: Failure) -> str:
+        """End every worker after ``first`` failed; what became of the others."""
+        cfg = self.cfg
+        self._signals_handled = len(self.signals.received)
+        endings = shutdown(self.workers, cfg.grace_period, wait=self._wait_escalating)
+        self._drain_all()
+        return describe_others(
+            [w.rank for w in self.workers],
+            [w.proc.returncode for w in self.workers],
+            endings,
+            first.rank,
+            cfg.grace_period,
+        )
+
     def _on_signal(self, sig: int) -> int:
+        cfg = self.cfg
+        code, states = self._end_signaled(sig)
+        no_restart = "no restart; " if cfg.max_restarts > 0 else ""
+        self._report(
+            f"job interrupted{attempt_title(self.attempt, cfg.max_restarts)}",
+            f"{PROG} received {signal_name(sig)}; ranks: {states}\n"
+            f"{no_restart}{PROG} exits with code {code}",
+        )
+        return code
+
+    def _end_signaled(self, sig: int) -> tuple[int, str]:
+        """Pass ``sig`` on to the workers and end them; the exit code and their states."""
         cfg = self.cfg
         self._say(
             f"{PROG}: received {signal_name(sig)}; sending it to the workers (SIGKILL after "
@@ -400,14 +459,7 @@ class _Supervisor:
             else:
                 state = describe_exit(rc)
             parts.append(f"rank {w.rank} {state}")
-        code = 128 + sig
-        no_restart = "no restart; " if cfg.max_restarts > 0 else ""
-        self._report(
-            f"job interrupted{attempt_title(self.attempt, cfg.max_restarts)}",
-            f"{PROG} received {signal_name(sig)}; ranks: {'; '.join(parts)}\n"
-            f"{no_restart}{PROG} exits with code {code}",
-        )
-        return code
+        return 128 + sig, "; ".join(parts)
 
     def _wait_escalating(self, seconds: float) -> None:
         """Drain output while waiting; a further signal to the launcher means SIGKILL now."""
@@ -443,6 +495,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``--max-restarts``, what the last attempt ended with.
     """
     cfg = parse_args(argv)
+    for note in cfg.notes:
+        print(note, file=sys.stderr, flush=True)
+    if cfg.rdzv is not None:
+        # Imported here: the elastic supervisor builds on this module's.
+        from .launch._elastic import ElasticSupervisor
+
+        return ElasticSupervisor(cfg).run()
     return _Supervisor(cfg).run()
 
 

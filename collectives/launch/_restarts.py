@@ -19,8 +19,10 @@ The policy, the same for both launchers:
 5. A signal to the launcher ends the job without a restart. The result (exit code, the
    ``SpawnError``) is the last attempt's.
 
-Restarts need every rank to start again, so ``collectives.run`` refuses ``--max-restarts``
-with ``--nnodes > 1``: one node's launcher cannot re-form ranks that other launchers own.
+Restarts need every rank to start again, so with the static rendezvous ``collectives.run``
+refuses ``--max-restarts`` with ``--nnodes > 1``: one node's launcher cannot re-form ranks that
+other launchers own. With ``--rdzv-backend c10d`` the launchers restart together, through a
+new rendezvous round (:mod:`collectives.launch._elastic`); there attempt ``k`` is round ``k``.
 """
 
 from __future__ import annotations
