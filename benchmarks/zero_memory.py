@@ -17,8 +17,9 @@ float32 formulas (:func:`formulas`), the full parameters still gathered at the e
 (ZeRO-2 keeps them until backward), the bytes each rank sends in one step (counted from the
 collectives issued, with ring factors: :class:`TrafficCounter`), the median step time over
 alternating rounds (the slower rank's), and the largest model (by width) whose one AdamW step
-fits ``--cap-mb`` per rank, counted as memory_stats after the step plus the full parameters
-gathered at the end of forward.
+fits ``--cap-mb`` per rank, counted as memory_stats after the step plus, under
+``fully_shard``, the step's peak beyond the shards (``model.stats.peak_bytes``: gathered units,
+collective buffers).
 
 The float32 formulas without mixed precision (P parameters, N ranks): DDP 4P parameters + 4P
 gradients + 8P Adam moments = 16P; ZeRO-1 4P + 4P + 8P/N; ZeRO-2 and ZeRO-3 after the step
@@ -271,7 +272,11 @@ def measure(stage: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _fits(stage: str, width: int, cfg: dict[str, Any]) -> bool:
     model, opt = build(stage, width, cfg["blocks"], mp=cfg["mp"])
     held = train_step(model, opt, width, cfg["rows"], 0, cfg["mp"])
-    mine = sum(memory_stats(model, opt).values()) + held
+    # fully_shard: its peak beyond the shards during the step (gathered units and collective
+    # buffers, which include what is still gathered at the end of forward); DDP's and ZeRO-1's
+    # transient collective buffers are not counted (their gradients are DDP's buckets).
+    peak = getattr(getattr(model, "stats", None), "peak_bytes", None)
+    mine = sum(memory_stats(model, opt).values()) + (held if peak is None else max(held, peak))
     return _slowest(float(mine)) <= cfg["cap_mb"] * 1e6
 
 
