@@ -161,11 +161,11 @@ class Unit:
         receiving its shards' rows; then free the full buffer (backward is done with it).
 
         The reduce-scatter runs asynchronously, so it overlaps the backward of the units
-        below. As FSDP2 does, one stays in flight: the next unit's reduce-scatter, once
-        issued, waits for this one and adds its rows to the shards' ``.grad``, and a callback
+        below. As FSDP2 does, one stays in flight: the next unit's, before it issues its
+        own, waits for this one and adds its rows to the shards' ``.grad``, and a callback
         queued for the end of this ``backward()`` lands the last (the shards' gradients are
         set by this code, not by backward's accumulation, so shards' post-accumulate-grad
-        hooks do not fire). So at most two units' reduce-scatter buffers are held at once.
+        hooks do not fire). So one unit's reduce-scatter buffers are held at a time.
 
         Without gradient sync the gradient is added (in the reduce dtype) to
         :attr:`accumulated` instead, and the next synced backward reduce-scatters the sum.
@@ -184,6 +184,11 @@ class Unit:
         acc, self.accumulated = self.accumulated, None
         if acc is not None:
             acc += grad
+        # Memory first: backward is done with the full parameters, and the previous unit's
+        # reduce-scatter has had this unit's whole backward to finish: land it now, before
+        # this one's buffers exist (as FSDP2 waits for it), so at most one is held.
+        self.free()
+        self.schedule.settle()
         world = self.group.size
         stage = np.empty((world, self.shard_numel), dtype=self.reduce_dtype)
         held = stage.nbytes + stage[0].nbytes  # the send buffer and the receive buffer
@@ -197,9 +202,8 @@ class Unit:
         work = self.group.reduce_scatter(stage, ReduceOp.AVG, async_op=True)
         self.schedule.stats.reduce_scatters += 1
         self.schedule.stats.bytes_sent += (world - 1) * stage[0].nbytes
-        self.free()
         ledger.sub(grad.nbytes + (0 if acc is None else acc.nbytes))
-        self.schedule.in_flight(_Reduce(self, work, held))
+        self.schedule.track(_Reduce(self, work, held))
 
     def land(self, work: Work) -> None:
         """Wait for a reduce-scatter and add its rows to the shards' gradients."""
@@ -277,15 +281,20 @@ class Schedule:
     def stats(self) -> ShardStats:
         return self.ledger.stats
 
-    def in_flight(self, new: _Reduce) -> None:
-        """Keep ``new`` as the reduce-scatter in flight, landing the one before it (issued in
-        this backward) first; a callback lands ``new`` at the end of backward."""
-        prev, self._reducing = self._reducing, new
+    def settle(self) -> None:
+        """Land the reduce-scatter in flight when this backward issued it; discard it when
+        a backward that raised did (nothing of it may reach ``.grad`` then)."""
+        prev, self._reducing = self._reducing, None
         if prev is not None:
-            if prev.backward == new.backward:
+            if prev.backward == tl.current_backward_id():
                 prev.land()
-            else:  # its backward raised before landing it: nothing of it may reach .grad
+            else:
                 prev.discard()
+
+    def track(self, new: _Reduce) -> None:
+        """Keep ``new`` as the reduce-scatter in flight; a callback lands it at the end of
+        backward if the next unit's does not first."""
+        self._reducing = new
         tl.queue_callback(new.land)
 
     def landed(self, done: _Reduce) -> None:
