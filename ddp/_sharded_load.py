@@ -21,6 +21,7 @@ import tensorlib as tl
 from tensorlib import Tensor, nn, optim
 
 from ._checkpoint_index import INDEX, ShardReader, check_index, model_key
+from ._param_groups import match_param_groups
 from ._sharded_checkpoint import PARTS, model_entries, rows_of, shard_places
 from .zero import ZeroRedundancyOptimizer
 
@@ -175,30 +176,6 @@ def _copy_into(t: Tensor, value: np.ndarray[Any, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- the optimizer
-def _match_groups(saved: Any, own: list[dict[str, Any]]) -> dict[int, int]:
-    """Saved parameter index -> this optimizer's (index over all its groups), as
-    ``Optimizer.load_state_dict`` pairs them.
-
-    Raises:
-        ValueError: when the group or parameter counts differ.
-    """
-    if not isinstance(saved, list) or len(saved) != len(own):
-        count = len(saved) if isinstance(saved, list) else saved
-        raise ValueError(f"the checkpoint has {count} parameter groups, this optimizer {len(own)}")
-    by_index: dict[int, int] = {}
-    at = 0
-    for k, (g_saved, g_own) in enumerate(zip(saved, own, strict=True)):
-        if len(g_saved["params"]) != len(g_own["params"]):
-            raise ValueError(
-                f"parameter group {k} has {len(g_saved['params'])} parameters in the checkpoint, "
-                f"{len(g_own['params'])} in this optimizer"
-            )
-        for j, i in enumerate(g_saved["params"]):
-            by_index[int(i)] = at + j
-        at += len(g_own["params"])
-    return by_index
-
-
 def _check_shape(
     reader: ShardReader, key: str, name: str, i: int, expected: tuple[int, ...]
 ) -> None:
@@ -214,7 +191,7 @@ def _plain_state(
     opt: optim.Optimizer, entry: dict[str, Any], shards: dict[int, Any], reader: ShardReader
 ) -> dict[str, Any]:
     """A plain optimizer's ``load_state_dict`` input: shards' rows or whole arrays."""
-    by_index = _match_groups(entry["param_groups"], opt.param_groups)
+    by_index = match_param_groups(entry["param_groups"], opt.param_groups)
     params = [p for g in opt.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
     for i, items in entry["state"].items():
@@ -259,7 +236,7 @@ def _zero_state(
 ) -> tuple[list[dict[str, Any] | None], _ZeroLoad]:
     """The state of this rank's pieces (flat ranges of each state array)."""
     groups = entry["param_groups"]
-    by_index = _match_groups(groups, opt.param_groups)
+    by_index = match_param_groups(groups, opt.param_groups)
     saved_of = {own: saved for saved, own in by_index.items()}
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, items in entry["state"].items():

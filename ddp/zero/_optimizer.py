@@ -37,6 +37,7 @@ from collectives import NonMemberGroup, ProcessGroup, where
 from tensorlib import Tensor
 from tensorlib.optim import Optimizer
 
+from .._param_groups import match_param_groups
 from ._layout import GatherBucket, Piece, Space, flat, make_spaces, on_device, plan_gather
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -435,22 +436,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"optimizer state_dict has {len(groups)} parameter groups, this optimizer "
-                f"has {len(self.param_groups)}"
-            )
-        by_index: dict[int, int] = {}  # saved index -> our index
-        at = 0
-        for saved, own in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(own["params"]):
-                raise ValueError(
-                    f"optimizer state_dict group has {len(saved['params'])} parameters, "
-                    f"this optimizer's has {len(own['params'])}"
-                )
-            for j, i in enumerate(saved["params"]):
-                by_index[int(i)] = at + j
-            at += len(own["params"])
+        by_index = match_param_groups(groups, self.param_groups)  # saved -> our index
         params = self._params()
         full: dict[int, dict[str, Any]] = {}
         for raw, entry in state_dict["state"].items():
