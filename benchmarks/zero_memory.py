@@ -240,8 +240,8 @@ class TrafficCounter:
 # ---------------------------------------------------------------------- rank worker
 @dataclass
 class Config:
-    width: int = 128
-    blocks: int = 4
+    width: int = 96
+    blocks: int = 8
     rows: int = 16
     steps: int = 9
     cap_mb: float = 8.0
