@@ -408,28 +408,47 @@ def _up(port: int) -> bool:
 
 # ---------------------------------------------------------------------- the main job
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_train_ddp_on_two_nodes_matches_one_node(tmp_path: Path, nodes: _Nodes) -> None:
-    # examples/train_ddp.py, world size 2: 2 simulated nodes x 1 worker (c10d) against one node
-    # x 2 workers. One BLAS thread per worker in both, so the arithmetic is the same.
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("form", "nnodes", "nproc"),
+    [("c10d", 2, 1), ("pet", 2, 2), ("static", 3, 1)],
+    ids=["c10d-2x1", "pet-2x2", "static-3x1"],
+)
+def test_train_ddp_on_nodes_matches_one_node(
+    tmp_path: Path, nodes: _Nodes, form: str, nnodes: int, nproc: int
+) -> None:
+    # examples/train_ddp.py (the main job) on simulated nodes, each form of the contract:
+    # torchrun's c10d flags (node ranks from the rendezvous), Kubeflow's PET_* only, and the
+    # static flags; against one node with the same world size. One BLAS thread per worker in
+    # both, so the arithmetic is the same.
     script = [str(REPO / "examples" / "train_ddp.py"), "--epochs", "1", "--no-progress"]
+    script += ["--batch-size", "48"]  # divisible by 2, 3 and 4 workers
     env = _env(tmp_path, OMP_NUM_THREADS="1")
     port = free_port()
-    two = [
-        nodes.start(
-            *_c10d(port, "2"), *script, "--checkpoint", str(tmp_path / f"n{i}.npz"), env=env
-        )
-        for i in range(2)
-    ]
-    one = nodes.start(
-        "--nproc-per-node", "2", *script, "--checkpoint", str(tmp_path / "one.npz"), env=env
-    )
-    for proc in (*two, one):
-        assert nodes.wait(proc, 100) == 0, nodes.err(proc)
+    many = []
+    for i in range(nnodes):
+        ckpt = ["--checkpoint", str(tmp_path / f"n{i}.npz")]
+        if form == "c10d":
+            many.append(nodes.start(*_c10d(port, str(nnodes)), *script, *ckpt, env=env))
+        elif form == "pet":
+            pet = {"PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": str(nproc)}
+            pet |= {"PET_NODE_RANK": str(i), "PET_MASTER_ADDR": "127.0.0.1"}
+            pet |= {"PET_MASTER_PORT": str(port)}
+            many.append(nodes.start(*script, *ckpt, env={**env, **pet}))
+        else:
+            flags = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+            flags += ["--node-rank", str(i), "--master-addr", "127.0.0.1"]
+            flags += ["--master-port", str(port)]
+            many.append(nodes.start(*flags, *script, *ckpt, env=env))
+    world = str(nnodes * nproc)
+    ckpt_one = ["--checkpoint", str(tmp_path / "one.npz")]
+    one = nodes.start("--nproc-per-node", world, *script, *ckpt_one, env=env)
+    for proc in (*many, one):
+        assert nodes.wait(proc, 150) == 0, nodes.err(proc)
     import numpy as np
 
-    saved = [p for p in (tmp_path / "n0.npz", tmp_path / "n1.npz") if p.exists()]
-    assert len(saved) == 1  # rank 0 saves, on whichever node joined first
+    saved = [p for i in range(nnodes) if (p := tmp_path / f"n{i}.npz").exists()]
+    assert len(saved) == 1  # rank 0 saves, on node 0
     with np.load(saved[0]) as a, np.load(tmp_path / "one.npz") as b:
         # Model, optimizer and step: every array of the checkpoint.
         arrays = [k for k in b.files if k != "__manifest__"]
