@@ -184,10 +184,11 @@ class ShardReader:
         dtype = self.dtype(key)
         with zf.open(info) as fp:
             version = np.lib.format.read_magic(fp)
-            if version == (1, 0):
-                shape, fortran, stored = np.lib.format.read_array_header_1_0(fp)
-            else:
-                shape, fortran, stored = np.lib.format.read_array_header_2_0(fp)
+            with tl.npy_header_lock:  # NumPy's header parser is not thread-safe on 3.11
+                if version == (1, 0):
+                    shape, fortran, stored = np.lib.format.read_array_header_1_0(fp)
+                else:
+                    shape, fortran, stored = np.lib.format.read_array_header_2_0(fp)
             header = fp.tell()
             if stored != dtype or fortran or tuple(shape) != (size,):
                 raise ValueError(
@@ -230,7 +231,7 @@ class ShardReader:
 def _members(zf: zipfile.ZipFile, path: Path) -> list[str]:
     """The archive member of each array of the saved list, from tensorlib's JSON manifest
     (``{"root": [{"$array": "a0"}, ...]}``), without loading any array."""
-    with zf.open("__manifest__.npy") as fp:
+    with zf.open("__manifest__.npy") as fp, tl.npy_header_lock:
         manifest = json.loads(np.lib.format.read_array(fp, allow_pickle=False).tobytes())
     root = manifest.get("root")
     if not isinstance(root, list) or not all(

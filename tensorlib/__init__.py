@@ -70,7 +70,7 @@ from ._device_kinds import DeviceKind
 from ._device_kinds import register as register_device_kind
 from ._dtype import bool_, float16, float32, float64, int32, int64
 from ._random import Generator, default_generator, manual_seed, set_thread_generator
-from ._serialization import load, save
+from ._serialization import load, npy_header_lock, save
 from . import amp, functional, nn, optim
 
 __version__ = "0.1.0"
@@ -127,6 +127,7 @@ __all__ = [
     "minimum",
     "nn",
     "no_grad",
+    "npy_header_lock",
     "ones",
     "ones_like",
     "optim",

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import threading
 from typing import Any
 
 import numpy as np
@@ -301,6 +302,14 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     _fsync_dir(directory)
 
 
+# NumPy parses every .npy header with ast.literal_eval, and CPython 3.11's AST constructor is not
+# safe in several threads at once ("SystemError: AST constructor recursion depth mismatch",
+# CPython gh-106905): rank threads of the threads backend that load a checkpoint together hit
+# it. Every parse of a saved array's header in this process holds this lock (re-entrant: a
+# load reads several members).
+npy_header_lock = threading.RLock()
+
+
 def load(path: str | os.PathLike[str], device: str | Device | None = None) -> Any:
     """Load what :func:`save` wrote; arrays come back as Tensors (on ``device`` if given).
 
@@ -312,7 +321,7 @@ def load(path: str | os.PathLike[str], device: str | Device | None = None) -> An
         ValueError: if the file is not a tensorlib state file, or holds such an array.
     """
     dev = Device(device) if device is not None else None
-    with np.load(os.fspath(path), allow_pickle=False) as files:
+    with npy_header_lock, np.load(os.fspath(path), allow_pickle=False) as files:
         if _MANIFEST not in files.files:
             raise ValueError(f"load: {os.fspath(path)} is not a tensorlib state file (no manifest)")
         manifest = json.loads(files[_MANIFEST].tobytes().decode())
