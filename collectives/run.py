@@ -278,18 +278,23 @@ class _Supervisor:
             return 2
         self.signals.install()
         try:
-            while True:
-                code = self._attempt(gpus)
-                if not self._restart:
-                    return code
-                self.attempt += 1
-                if self.signals.received:  # arrived while the failed attempt was cleaned up
-                    sig = self.signals.received[0]
-                    self._say(f"{PROG}: received {signal_name(sig)}; not restarting\n")
-                    return 128 + sig
+            return self._run(gpus)
         finally:
             self.selector.close()
             self.signals.restore()
+
+    def _run(self, gpus: list[str] | None) -> int:
+        """The attempts, with the signal handlers installed: restarted up to
+        ``--max-restarts`` (the elastic supervisor runs rendezvous rounds instead)."""
+        while True:
+            code = self._attempt(gpus)
+            if not self._restart:
+                return code
+            self.attempt += 1
+            if self.signals.received:  # arrived while the failed attempt was cleaned up
+                sig = self.signals.received[0]
+                self._say(f"{PROG}: received {signal_name(sig)}; not restarting\n")
+                return 128 + sig
 
     def _attempt(self, gpus: list[str] | None, port: int | None = None) -> int:
         """Start every worker once and see the attempt to its end; nothing of it is left.

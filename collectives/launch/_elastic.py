@@ -22,7 +22,6 @@ Each node's launcher runs :class:`ElasticSupervisor`, which repeats:
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import Any
 
 from .._store import StoreError
 from ..run import _POLL_S, PROG, _Placement, _Supervisor, _Worker
-from ._launcher import describe_exit, gpu_assignment, pick_first, shutdown, signal_name
+from ._launcher import describe_exit, pick_first, shutdown, signal_name
 from ._rdzv_config import RdzvConfig
 from ._rendezvous import Rendezvous, RendezvousError, Round
 
@@ -159,33 +158,23 @@ class ElasticSupervisor(_Supervisor):
             raise RuntimeError("ElasticSupervisor needs a config with a c10d rendezvous")
         return self.cfg.rdzv
 
-    def run(self) -> int:
-        cfg = self.cfg
-        try:
-            gpus = gpu_assignment(cfg.nproc_per_node, os.environ)
-        except ValueError as exc:
-            self._say(f"{PROG}: error: {exc}\n")
-            return 2
-        self.signals.install()
+    def _run(self, gpus: list[str] | None) -> int:
+        """Join the rendezvous and run its rounds (the signal handlers installed by ``run``)."""
         self.watch = None
         self._end: dict[str, Any] | None = None
         self._leaving = False  # this launcher got a signal: no new round
         try:
-            try:
-                self.rdzv = Rendezvous(self._rcfg, cfg.nproc_per_node)
-            except RendezvousError as exc:
-                self._say(f"{PROG}: error: {exc}\n")
-                return 1
-            try:
-                return self._rounds(gpus)
-            except (RendezvousError, StoreError) as exc:
-                self._say(f"{PROG}: error: rendezvous at {self._rcfg.endpoint}: {exc}\n")
-                return 1
-            finally:
-                self._leave()
+            self.rdzv = Rendezvous(self._rcfg, self.cfg.nproc_per_node)
+        except RendezvousError as exc:
+            self._say(f"{PROG}: error: {exc}\n")
+            return 1
+        try:
+            return self._rounds(gpus)
+        except (RendezvousError, StoreError) as exc:
+            self._say(f"{PROG}: error: rendezvous at {self._rcfg.endpoint}: {exc}\n")
+            return 1
         finally:
-            self.selector.close()
-            self.signals.restore()
+            self._leave()
 
     # ------------------------------------------------------------------ rounds
     def _rounds(self, gpus: list[str] | None) -> int:
