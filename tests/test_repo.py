@@ -72,3 +72,13 @@ def test_every_package_is_typed_and_declares_all() -> None:
     for pkg in ("tensorlib", "collectives", "ddp", "remote"):
         assert (ROOT / pkg / "py.typed").is_file(), f"{pkg} lacks py.typed"
         assert "__all__" in (ROOT / pkg / "__init__.py").read_text(), f"{pkg} lacks __all__"
+
+
+def test_ci_runs_the_slow_tests_the_default_run_leaves_out() -> None:
+    # The default run deselects `slow` (pyproject's addopts) to stay under 10 minutes on 2
+    # cores; CI must still run them, after the README's test command.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "addopts = \"-rfE -m 'not slow'\"" in pyproject
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    at = ci.index(_readme_command("pytest"))
+    assert any("pytest" in ln and "-m slow" in ln for ln in ci[at + 1 :]), ".ci/run: no -m slow"

@@ -30,9 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("restart_worker.py")
 _ids = itertools.count()
 
-pytestmark = pytest.mark.skipif(
-    "cpu" not in collectives.available_backends(), reason="the cpu backend is not available"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        "cpu" not in collectives.available_backends(), reason="the cpu backend is not available"
+    ),
+    pytest.mark.slow,  # killed and restarted jobs, end to end
+]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

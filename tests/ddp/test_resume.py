@@ -25,7 +25,7 @@ import pytest
 
 from tests.helpers import ROOT, run_to_end
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # killed and resumed jobs
 
 SCRIPT = "tests/ddp/resume_script.py"
 STEPS, EVERY = 30, 4

@@ -20,6 +20,7 @@ from tests.collectives.harness.mpipool import MpiRankPool, mpi_unavailable_reaso
 
 _REASON = mpi_unavailable_reason()
 pytestmark = [
+    pytest.mark.slow,  # mpiexec jobs, end to end
     pytest.mark.timeout(180),
     pytest.mark.skipif(_REASON is not None, reason=f"backend mpi: {_REASON}"),
 ]

@@ -21,6 +21,7 @@ from tests.helpers import run_to_end
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "axon"
 TIMEOUT_S = 60
+pytestmark = pytest.mark.slow  # end-to-end runs of the scripts
 
 
 def _run(script: str, *args: str) -> str:

@@ -26,6 +26,7 @@ from tests.helpers import run_to_end
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "burn"
 TIMEOUT_S = 120
+pytestmark = pytest.mark.slow  # end-to-end runs of the scripts
 HAS_CRYPTOGRAPHY = importlib.util.find_spec("cryptography") is not None
 
 

@@ -126,7 +126,7 @@ WORLDS = {
     "launched": "world size 2 (cpu backend)",
     "threads": "world size 2 (threads backend)",
 }
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
+pytestmark = [pytest.mark.timeout(TIMEOUT_S + 30), pytest.mark.slow]
 
 
 def test_basic_setup_trains_alike_alone_spawned_launched_and_on_threads() -> None:

@@ -21,6 +21,7 @@ SCRIPT = "examples/train_ddp.py"
 STEPS_PER_EPOCH = 23  # 1,437 training digits over a global batch of 64 (2 ranks x 32)
 
 pytest.importorskip("sklearn", reason="the example's digits ship with scikit-learn")
+pytestmark = pytest.mark.slow  # end-to-end runs of the examples
 
 
 # Imported at start-up by every Python process that has its folder on PYTHONPATH: with

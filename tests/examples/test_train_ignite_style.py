@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "examples/train_ignite_style.py"
 
 pytest.importorskip("sklearn", reason="the example's digits ship with scikit-learn")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def _env() -> dict[str, str]:
