@@ -171,6 +171,7 @@ def test_two_nodes_from_pet_variables_only(tmp_path: Path, nodes: _Nodes) -> Non
     assert _final(out)["w"] == reference(6)
 
 
+@pytest.mark.slow  # waits out rendezvous rounds and keep-alives
 @pytest.mark.timeout(60)
 def test_three_nodes_get_node_ranks_in_join_order(tmp_path: Path, nodes: _Nodes) -> None:
     out = tmp_path / "out"
@@ -206,6 +207,7 @@ def _joined(port: int) -> int:
 
 
 # ---------------------------------------------------------------------- failures
+@pytest.mark.slow  # waits out rendezvous rounds and keep-alives
 @pytest.mark.timeout(60)
 def test_worker_killed_on_node_1_restarts_every_node_bitwise(tmp_path: Path, nodes: _Nodes) -> None:
     out = tmp_path / "out"
@@ -239,6 +241,7 @@ def test_worker_killed_on_node_1_restarts_every_node_bitwise(tmp_path: Path, nod
         )
 
 
+@pytest.mark.slow  # waits out rendezvous rounds and keep-alives
 @pytest.mark.timeout(60)
 def test_lost_node_with_fixed_nnodes_ends_the_others(tmp_path: Path, nodes: _Nodes) -> None:
     out = tmp_path / "out"
@@ -259,6 +262,7 @@ def test_lost_node_with_fixed_nnodes_ends_the_others(tmp_path: Path, nodes: _Nod
     assert "fewer than the 2 the job needs (--nnodes 2)" in err
 
 
+@pytest.mark.slow  # waits out rendezvous rounds and keep-alives
 @pytest.mark.timeout(90)
 def test_elastic_node_lost_then_replaced(tmp_path: Path, nodes: _Nodes) -> None:
     out = tmp_path / "out"
@@ -384,6 +388,7 @@ def test_pet_variables_fill_in_and_agree_with_flags() -> None:
     assert (cfg.nnodes, cfg.node_rank, cfg.world_size) == (2, 1, 2) and cfg.rdzv is None
 
 
+@pytest.mark.slow  # waits out a join timeout
 @pytest.mark.timeout(30)
 def test_unreachable_endpoint_and_wrong_secret_fail_within_seconds(
     tmp_path: Path, nodes: _Nodes

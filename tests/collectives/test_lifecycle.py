@@ -132,6 +132,7 @@ def start(jobs: list[Job], world_size: int, *case: str, **kw: Any) -> Job:
 
 # ------------------------------------------------------------------ (1) a frozen store host
 # Three ranks: two peers wait on the frozen host at once (two ranks added nothing but 8 s).
+@pytest.mark.slow  # waits out the store timeout
 @pytest.mark.parametrize("world_size", [3])
 def test_peers_of_a_frozen_store_host_end_soon_after_their_timeout(
     jobs: list[Job], world_size: int
@@ -153,6 +154,7 @@ def test_peers_of_a_frozen_store_host_end_soon_after_their_timeout(
         assert job.procs[r].returncode == 1
 
 
+@pytest.mark.slow  # waits out the store timeout
 def test_destroy_with_a_frozen_store_host_is_bounded(jobs: list[Job]) -> None:
     timeout = 3.0
     job = start(jobs, 2, "frozen_host_destroy", str(timeout))

@@ -31,6 +31,8 @@ from tests.helpers import run_to_end
 
 _REASON = mpi_unavailable_reason()
 pytestmark = [
+    pytest.mark.slow,  # mpiexec jobs that wait out timeouts and aborts (test_collectives runs
+    # the mpi backend's collectives in the default run)
     pytest.mark.timeout(120),
     pytest.mark.skipif(_REASON is not None, reason=f"backend mpi: {_REASON}"),
 ]
