@@ -24,7 +24,8 @@ import ddp._sharded_checkpoint as SC
 from ddp import DistributedDataParallel, ZeroRedundancyOptimizer, load_checkpoint, save_checkpoint
 from tensorlib import optim
 
-from .fsdp_bodies import Model, _batch, _shard
+from .fsdp_bodies import Model, _shard
+from .sharded_checkpoint_bodies import _steps as steps
 
 KINDS = ("ddp", "zero1", "fsdp2", "fsdp3")
 
@@ -42,16 +43,6 @@ def setup(kind: str, seed: int, **model_kw: Any) -> tuple[Any, Any]:
             wrapped.parameters(), optimizer_class=optim.AdamW, lr=0.01
         )
     return wrapped, optim.AdamW(wrapped.parameters(), lr=0.01)
-
-
-def steps(model: Any, opt: Any, seed: int, first: int, last: int) -> None:
-    rank = C.get_rank()
-    for step in range(first, last):
-        x, y = _batch(seed, step, rank)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
 
 
 def local(model: Any, opt: Any) -> list[np.ndarray[Any, Any]]:
